@@ -1,0 +1,27 @@
+"""One collective-communication interface, many transports.
+
+>>> import collectives
+>>> pg = collectives.init_process_group()   # a world of one when no launcher is present
+>>> pg.size
+1
+>>> pg.close()
+"""
+
+from .errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, PeerError
+from .group import ProcessGroup
+from .launch import Rendezvous, detect_rendezvous, init_process_group
+from .reduce_op import ReduceOp
+from .registry import available_backends, get_backend, register_backend
+from .spawn import SpawnError, spawn
+from .work import Work
+
+__all__ = [
+    "CollectiveError", "CollectiveMismatch", "CollectiveTimeout", "PeerError", "ProcessGroup",
+    "ReduceOp", "Rendezvous", "SpawnError", "Work", "available_backends", "detect_rendezvous",
+    "get_backend", "init_process_group", "new_group", "register_backend", "spawn",
+]
+
+
+def new_group(group: ProcessGroup, ranks: list[int]) -> ProcessGroup:
+    """Functional spelling of :meth:`ProcessGroup.new_group` (torch.distributed style)."""
+    return group.new_group(ranks)

@@ -1,0 +1,79 @@
+"""Point to point as seen by one collective algorithm: the group's ranks plus tags that
+belong to this one call.
+
+Tag layout (the transports carry ints below 2**63):
+    bits 0..11   the algorithm's step (so one call can keep several messages apart)
+    bits 12..35  the collective's sequence number on the group (mod 2**24)
+    bit  39      set: a collective's internal message (user tags are below 2**31)
+    bits 40..60  the sub-group id (``collectives.subgroup``), 0 on a backend's own groups
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Protocol
+
+import numpy as np
+
+from ..work import Work
+
+COLLECTIVE_TAG_BIT = 1 << 39
+MAX_STEPS = 1 << 12
+
+
+class PointToPoint(Protocol):
+    """What an algorithm needs of a group: its ranks and non-blocking send/recv."""
+
+    rank: int
+    size: int
+
+    def _isend(self, array: np.ndarray, dst: int, tag: int) -> Work: ...
+
+    def _irecv(self, array: np.ndarray, src: int, tag: int) -> Work: ...
+
+
+class Links:
+    """Send/recv between group ranks inside collective number ``seq``.
+
+    ``step`` (0..4095) separates the messages of one call; a pair of ranks that exchange
+    several messages with the same step receives them in order.
+    """
+
+    def __init__(self, group: PointToPoint, seq: int) -> None:
+        self.rank = group.rank
+        self.size = group.size
+        self._group = group
+        self._base = COLLECTIVE_TAG_BIT | ((seq & 0xFFFFFF) << 12)
+
+    def _tag(self, step: int) -> int:
+        if not 0 <= step < MAX_STEPS:
+            raise ValueError(f"algorithm step {step} out of range 0..{MAX_STEPS - 1}")
+        return self._base | step
+
+    def isend(self, array: np.ndarray, dst: int, step: int = 0) -> Work:
+        return self._group._isend(array, dst, self._tag(step))
+
+    def irecv(self, array: np.ndarray, src: int, step: int = 0) -> Work:
+        return self._group._irecv(array, src, self._tag(step))
+
+    def send(self, array: np.ndarray, dst: int, step: int = 0) -> None:
+        self.isend(array, dst, step).wait()
+
+    def recv(self, array: np.ndarray, src: int, step: int = 0) -> None:
+        self.irecv(array, src, step).wait()
+
+    def sendrecv(self, send: np.ndarray, dst: int, recv: np.ndarray, src: int,
+                 step: int = 0) -> None:
+        """Send and receive at once (never deadlocks on a ring, whatever the sizes)."""
+        wait_all([self.irecv(recv, src, step), self.isend(send, dst, step)])
+
+
+def wait_all(works: Iterable[Work]) -> None:
+    """Wait for every Work; the first error is raised after all were waited for."""
+    error = None
+    for w in works:
+        try:
+            w.wait()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            error = error or exc
+    if error is not None:
+        raise error

@@ -1,0 +1,144 @@
+"""Turning the user's tensors into host memory a transport can read and write.
+
+Every collective receives ``torch.Tensor`` or ``numpy.ndarray`` arguments. Backends see
+only C-contiguous numpy arrays over host memory: a zero-copy view when the argument
+already is one (a contiguous CPU tensor or array), otherwise a staged copy that is written
+back into the argument when the operation finishes (non-contiguous views, CUDA tensors,
+read-only arrays used as inputs). ``bfloat16`` travels as ``ml_dtypes.bfloat16`` so numpy
+can reduce it.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import ml_dtypes
+import numpy as np
+
+#: The dtypes every backend must move; reductions are defined on all but bool.
+SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(np.dtype(d) for d in (
+    np.float16, ml_dtypes.bfloat16, np.float32, np.float64,
+    np.int8, np.uint8, np.int16, np.int32, np.int64, np.bool_))
+
+_SUPPORTED_SET = frozenset(SUPPORTED_DTYPES)
+
+
+@dataclass
+class HostBuffer:
+    """A C-contiguous host array standing for one argument of a collective.
+
+    ``commit()`` writes the result back into the caller's object when ``array`` is a
+    staged copy; on a zero-copy view it does nothing.
+    """
+
+    array: np.ndarray
+    writeback: Optional[Callable[[np.ndarray], None]] = None
+
+    def commit(self) -> None:
+        if self.writeback is not None:
+            self.writeback(self.array)
+
+
+def _torch():
+    # Only touch torch when the caller already imported it: a numpy-only user of the
+    # shm backend never pays torch's import time.
+    return sys.modules.get("torch")
+
+
+def is_tensor_like(obj: Any) -> bool:
+    """True for a numpy array or a torch tensor."""
+    torch = _torch()
+    return isinstance(obj, np.ndarray) or (torch is not None and isinstance(obj, torch.Tensor))
+
+
+def _check_dtype(dtype: np.dtype, where: str, arg: str) -> None:
+    if dtype not in _SUPPORTED_SET:
+        names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        raise TypeError(f"{where}: argument `{arg}` has unsupported dtype {dtype}; "
+                        f"supported: {names}")
+
+
+def _torch_to_host(t: Any, where: str, arg: str, write: bool) -> HostBuffer:
+    torch = _torch()
+    src = t.detach()
+    if src.is_complex() or src.dtype not in _TORCH_TO_NUMPY:
+        raise TypeError(f"{where}: argument `{arg}` has unsupported dtype {t.dtype}")
+    staged = src.device.type != "cpu" or not src.is_contiguous() or src.is_neg() or src.is_conj()
+    host = src.to("cpu", copy=True).contiguous() if staged else src
+    if host.dtype == torch.bfloat16:
+        array = host.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+    else:
+        array = host.numpy()
+    if not staged:
+        return HostBuffer(array)
+
+    def writeback(a: np.ndarray, dst=src, host=host) -> None:
+        dst.copy_(host)
+
+    return HostBuffer(array, writeback if write else None)
+
+
+def _numpy_to_host(a: np.ndarray, where: str, arg: str, write: bool) -> HostBuffer:
+    _check_dtype(a.dtype, where, arg)
+    if write and not a.flags.writeable:
+        raise ValueError(f"{where}: argument `{arg}` is a read-only array but the "
+                         f"operation writes its result into it")
+    if a.flags.c_contiguous and a.dtype.isnative:
+        return HostBuffer(a)
+    staged = np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("="))
+
+    def writeback(s: np.ndarray, dst=a) -> None:
+        dst[...] = s
+
+    return HostBuffer(staged, writeback if write else None)
+
+
+def to_host(obj: Any, *, where: str, arg: str, write: bool) -> HostBuffer:
+    """Host memory for argument ``arg`` of the operation described by ``where``.
+
+    ``write`` says whether the operation stores a result into it (then a staged copy is
+    written back on :meth:`HostBuffer.commit`).
+
+    >>> buf = to_host(np.zeros(3, np.float32), where="[rank 0/2] all_reduce",
+    ...               arg="tensor", write=True)
+    >>> buf.array.shape
+    (3,)
+    """
+    if isinstance(obj, np.ndarray):
+        return _numpy_to_host(obj, where, arg, write)
+    torch = _torch()
+    if torch is not None and isinstance(obj, torch.Tensor):
+        _init_torch_table(torch)
+        return _torch_to_host(obj, where, arg, write)
+    raise TypeError(f"{where}: argument `{arg}` must be a torch.Tensor or numpy.ndarray, "
+                    f"got {type(obj).__name__}")
+
+
+_TORCH_TO_NUMPY: dict = {}
+
+
+def _init_torch_table(torch: Any) -> None:
+    if not _TORCH_TO_NUMPY:
+        _TORCH_TO_NUMPY.update({
+            torch.float16: np.dtype(np.float16), torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
+            torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64),
+            torch.int8: np.dtype(np.int8), torch.uint8: np.dtype(np.uint8),
+            torch.int16: np.dtype(np.int16), torch.int32: np.dtype(np.int32),
+            torch.int64: np.dtype(np.int64), torch.bool: np.dtype(np.bool_),
+        })
+
+
+def numel(obj: Any) -> int:
+    """Number of elements of a tensor or array."""
+    return int(obj.numel()) if not isinstance(obj, np.ndarray) else int(obj.size)
+
+
+def host_dtype(obj: Any) -> np.dtype:
+    """The numpy dtype that ``obj`` travels as."""
+    if isinstance(obj, np.ndarray):
+        return obj.dtype
+    torch = _torch()
+    _init_torch_table(torch)
+    return _TORCH_TO_NUMPY.get(obj.dtype, np.dtype(object))

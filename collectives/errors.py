@@ -1,0 +1,47 @@
+"""Typed errors of the collectives library.
+
+Every error says what happened and where: the rank and world size of the caller, the
+operation, and (for waits) which peers did not arrive. Argument errors are plain
+``TypeError``/``ValueError`` so that user code can catch them the usual way.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+
+class CollectiveError(RuntimeError):
+    """Base class of every communication failure raised by this library."""
+
+
+class CollectiveTimeout(CollectiveError, TimeoutError):
+    """A blocking wait passed the group's timeout.
+
+    Carries the operation, its sequence number on the group, and the ranks that had not
+    arrived, so that a hang is diagnosed instead of silent.
+    """
+
+    def __init__(self, message: str, *, op: str = "", seq: int = -1,
+                 missing: Iterable[int] = ()) -> None:
+        super().__init__(message)
+        self.op = op
+        self.seq = seq
+        self.missing = tuple(missing)
+
+
+class PeerError(CollectiveError):
+    """A peer rank died, hung up or reported a failure."""
+
+    def __init__(self, message: str, *, peer: int = -1) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+class CollectiveMismatch(CollectiveError):
+    """Ranks called different collectives, or the same one with different shapes,
+    dtypes or roots."""
+
+
+def where(rank: int, size: int, op: str) -> str:
+    """The standard prefix of every message: ``[rank 1/4] all_gather``."""
+    return f"[rank {rank}/{size}] {op}"

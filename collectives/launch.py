@@ -1,0 +1,157 @@
+"""Start-up: who am I, how many are we, how do we meet, and which backend.
+
+:func:`init_process_group` reads, in order: explicit arguments; the variables of
+``collectives.spawn`` and torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT``); those of MPI launchers (Open MPI
+``OMPI_COMM_WORLD_*``, MPICH/Hydra ``PMI_*``, PMIx ``PMIX_*``). With none of them it is a
+world of one. Under an MPI launcher the default backend is ``mpi``, otherwise ``shm``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Mapping, Optional, Union
+
+from .group import ProcessGroup, timeout_seconds
+from .registry import get_backend
+
+#: Seconds a blocking wait lasts before ``CollectiveTimeout``, unless told otherwise
+#: (``init_process_group(timeout=...)`` or the ``COLLECTIVES_TIMEOUT`` variable).
+DEFAULT_TIMEOUT = 300.0
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Everything a backend factory needs to connect one rank to its world."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: Optional[str]
+    master_port: Optional[int]
+    #: A string every rank of this job shares and no other job on the host uses; the shm
+    #: backend names its segments after it.
+    job_id: Optional[str]
+    #: ``"explicit"``, ``"spawn"``, ``"torchrun"``, ``"mpi"`` or ``"single"``.
+    launcher: str
+
+
+def _int(env: Mapping[str, str], *names: str) -> Optional[int]:
+    for name in names:
+        value = env.get(name)
+        if value not in (None, ""):
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+    return None
+
+
+MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
+
+
+def under_mpi_launcher(env: Optional[Mapping[str, str]] = None) -> bool:
+    """True when this process was started by mpirun/mpiexec (Open MPI, MPICH, PMIx)."""
+    env = os.environ if env is None else env
+    return any(env.get(name) for name in MPI_RANK_VARS)
+
+
+def _job_id(env: Mapping[str, str]) -> Optional[str]:
+    for name in ("COLLECTIVES_JOB_ID", "TORCHELASTIC_RUN_ID", "OMPI_MCA_ess_base_jobid",
+                 "PMIX_NAMESPACE", "PMI_KVSNAME"):
+        value = env.get(name)
+        if value and value != "none":
+            return f"{name}={value}"
+    addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+    if addr and port:
+        return f"master={addr}:{port}"
+    return None
+
+
+def detect_rendezvous(rank: Optional[int] = None, world_size: Optional[int] = None,
+                      env: Optional[Mapping[str, str]] = None) -> Rendezvous:
+    """Rank, size and meeting point from explicit values, then the launcher's variables.
+
+    >>> detect_rendezvous(env={"RANK": "1", "WORLD_SIZE": "2"}).rank
+    1
+    """
+    env = os.environ if env is None else env
+    addr = env.get("MASTER_ADDR") or None
+    port = _int(env, "MASTER_PORT")
+    job = _job_id(env)
+    if rank is not None or world_size is not None:
+        if rank is None or world_size is None:
+            raise ValueError("init_process_group: give both `rank` and `world_size`, or neither")
+        launcher = "explicit"
+        local_rank = _int(env, "LOCAL_RANK") if _int(env, "RANK") == rank else None
+        local_size = _int(env, "LOCAL_WORLD_SIZE")
+    elif _int(env, "RANK") is not None:
+        rank, world_size = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+        if world_size is None:
+            raise ValueError("RANK is set but WORLD_SIZE is not; a launcher sets both")
+        launcher = "spawn" if env.get("COLLECTIVES_SPAWNED") else "torchrun"
+        local_rank = _int(env, "LOCAL_RANK")
+        local_size = _int(env, "LOCAL_WORLD_SIZE")
+    elif under_mpi_launcher(env):
+        rank = _int(env, *MPI_RANK_VARS)
+        world_size = _int(env, *MPI_SIZE_VARS)
+        launcher = "mpi"
+        local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMIX_LOCAL_RANK")
+        local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMIX_LOCAL_SIZE")
+        if world_size is None:
+            world_size = _mpi_world_size()
+    else:
+        rank, world_size, launcher = 0, 1, "single"
+        local_rank = local_size = None
+        job = job or f"single-{os.getpid()}"
+    if isinstance(rank, bool) or not isinstance(rank, int) or \
+            isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"init_process_group: rank and world_size must be ints, got "
+                        f"{rank!r} and {world_size!r}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"init_process_group: rank {rank} is not in a world of size {world_size}")
+    return Rendezvous(rank=rank, world_size=world_size,
+                      local_rank=rank if local_rank is None else local_rank,
+                      local_world_size=world_size if local_size is None else local_size,
+                      master_addr=addr, master_port=port, job_id=job, launcher=launcher)
+
+
+def _mpi_world_size() -> int:
+    # PMIx exports no size variable; ask MPI itself (only reached under an MPI launcher).
+    from mpi4py import MPI
+    return MPI.COMM_WORLD.Get_size()
+
+
+def default_backend(rendezvous: Rendezvous, env: Optional[Mapping[str, str]] = None) -> str:
+    """``COLLECTIVES_BACKEND`` if set, ``mpi`` under an MPI launcher, otherwise ``shm``."""
+    env = os.environ if env is None else env
+    if env.get("COLLECTIVES_BACKEND"):
+        return env["COLLECTIVES_BACKEND"]
+    return "mpi" if rendezvous.launcher == "mpi" else "shm"
+
+
+def init_process_group(backend: Optional[str] = None, *, rank: Optional[int] = None,
+                       world_size: Optional[int] = None,
+                       timeout: Union[float, datetime.timedelta, None] = None) -> ProcessGroup:
+    """Connect this process to its world and return the world's :class:`ProcessGroup`.
+
+    The group is an object, not global state: several may coexist. Two ranks started by
+    ``collectives.spawn(main, 2)``, ``torchrun --nproc-per-node 2`` or ``mpirun -n 2``::
+
+        def main():
+            pg = collectives.init_process_group()       # backend from the launcher
+            t = torch.ones(3) * (pg.rank + 1)
+            pg.all_reduce(t)                            # tensor([3., 3., 3.]) on both
+            pg.close()
+    """
+    env_timeout = os.environ.get("COLLECTIVES_TIMEOUT")
+    default = float(env_timeout) if env_timeout else DEFAULT_TIMEOUT
+    seconds = timeout_seconds(timeout, default)
+    rendezvous = detect_rendezvous(rank, world_size)
+    name = backend or default_backend(rendezvous)
+    factory = get_backend(name)
+    return factory(rendezvous, seconds)

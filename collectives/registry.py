@@ -1,0 +1,123 @@
+"""Backends by name: built-in ones imported lazily, third-party ones through the
+entry-point group ``collectives.backends``.
+
+A factory takes ``(rendezvous: collectives.launch.Rendezvous, timeout: float)`` and
+returns a connected :class:`~collectives.group.ProcessGroup`. Choosing ``shm`` imports
+only ``backends.shm``: never ``mpi4py``, ``zmq`` or ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+from typing import Callable, Union
+
+Factory = Callable[..., "object"]
+
+ENTRY_POINT_GROUP = "collectives.backends"
+
+# name -> ("module:attribute", the third-party module it needs, or None)
+_BUILTIN: dict[str, tuple[str, str | None]] = {
+    "shm": ("backends.shm:create", None),
+    "zmq": ("backends.zeromq:create", "zmq"),
+    "mpi": ("backends.mpi:create", "mpi4py"),
+    "gloo": ("backends.torchdist:create_gloo", "torch"),
+    "nccl": ("backends.torchdist:create_nccl", "torch"),
+    "torch": ("backends.torchdist:create_auto", "torch"),
+}
+
+_INSTALL_HINT = {"zmq": "pip install 'collectives[zmq]'", "mpi": "pip install 'collectives[mpi]'"}
+
+_registered: dict[str, Union[str, Factory]] = {}
+_entry_points_loaded = False
+
+#: Prefix that runs a backend with the default send/recv algorithms only: ``p2p:shm``.
+P2P_ONLY_PREFIX = "p2p:"
+
+
+def register_backend(name: str, factory: Union[str, Factory], *, replace: bool = False) -> None:
+    """Register ``factory`` (a callable or a lazy ``"module:attribute"`` string) as ``name``.
+
+    >>> register_backend("loopback", "mypkg.loopback:create")   # doctest: +SKIP
+    """
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ValueError(f"register_backend: name must be a non-empty string without ':', "
+                         f"got {name!r}")
+    if not (callable(factory) or (isinstance(factory, str) and ":" in factory)):
+        raise TypeError(f"register_backend: factory for {name!r} must be callable or a "
+                        f"'module:attribute' string, got {factory!r}")
+    _load_entry_points()
+    if not replace and (name in _registered or name in _BUILTIN):
+        raise ValueError(f"register_backend: a backend named {name!r} is already registered; "
+                         f"pass replace=True to override it")
+    _registered[name] = factory
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in _BUILTIN or ep.name in _registered:
+            raise ValueError(f"entry point {ep.value!r} in group {ENTRY_POINT_GROUP!r} "
+                             f"registers backend {ep.name!r}, which already exists")
+        _registered[ep.name] = ep.value
+
+
+def _resolve(spec: Union[str, Factory], name: str) -> Factory:
+    if callable(spec):
+        return spec
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        hint = _INSTALL_HINT.get(name)
+        raise ImportError(f"backend {name!r} could not be imported ({exc})"
+                          + (f"; install it with: {hint}" if hint else "")) from exc
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise TypeError(f"backend {name!r}: {spec!r} is not a callable factory")
+    return factory
+
+
+def get_backend(name: str) -> Factory:
+    """The factory of backend ``name``; ``ValueError`` naming the known ones if unknown."""
+    if not isinstance(name, str):
+        raise TypeError(f"backend name must be a string, got {type(name).__name__}")
+    if name.startswith(P2P_ONLY_PREFIX):
+        inner = get_backend(name[len(P2P_ONLY_PREFIX):])
+        from .p2p_only import wrap_factory
+        return wrap_factory(inner)
+    _load_entry_points()
+    if name in _registered:
+        return _resolve(_registered[name], name)
+    if name in _BUILTIN:
+        return _resolve(_BUILTIN[name][0], name)
+    known = ", ".join(sorted(set(_BUILTIN) | set(_registered)))
+    raise ValueError(f"unknown backend {name!r}; known backends: {known}")
+
+
+def available_backends() -> list[str]:
+    """Names of the backends that can be used here (their modules and libraries exist)."""
+    _load_entry_points()
+    names = []
+    for name, (spec, needs) in _BUILTIN.items():
+        module_name = spec.partition(":")[0]
+        if importlib.util.find_spec(module_name) is None:
+            continue
+        if needs is not None and importlib.util.find_spec(needs) is None:
+            continue
+        if name == "nccl" and not _cuda_available():
+            continue
+        names.append(name)
+    return names + sorted(_registered)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001 - a broken torch means no CUDA here
+        return False

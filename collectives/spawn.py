@@ -1,0 +1,257 @@
+"""``collectives.spawn``: run a function on N local ranks and collect what they return.
+
+Each rank is a fresh interpreter (the ``spawn`` start method: no inherited threads or
+locks) with the environment a launcher would give it (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ``COLLECTIVES_JOB_ID``). If one rank
+raises or dies, the others are stopped, everything the job allocated is removed, and the
+parent raises :class:`SpawnError` naming the rank and carrying its traceback, once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import secrets
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable, Optional, Sequence
+
+from .errors import CollectiveError, CollectiveTimeout, PeerError
+from .shm_names import remove_job_segments
+
+#: Seconds between SIGTERM and SIGKILL when stopping ranks.
+_TERMINATE_GRACE = 2.0
+#: After the first failure, how long to wait for the root cause to be reported by
+#: another rank (a killed peer's neighbours report PeerError; we prefer the original).
+_ROOT_CAUSE_GRACE = 1.0
+
+
+class SpawnError(CollectiveError):
+    """A rank of a spawned job failed. ``rank``, ``exitcode`` and ``remote_traceback``
+    say which and how; ``__cause__`` is the rank's own exception when it could be sent."""
+
+    def __init__(self, message: str, *, rank: int, exitcode: Optional[int] = None,
+                 remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+        self.remote_traceback = remote_traceback
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this rank if the launching process dies (no orphans)."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def _rank_main(fn: Callable[..., Any], args: tuple, env: dict[str, str],
+               conn: multiprocessing.connection.Connection) -> None:
+    _die_with_parent()
+    # The parent handles Ctrl-C for the whole job and stops us with SIGTERM.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.update(env)
+    try:
+        result = fn(*args)
+        message: tuple = ("ok", result)
+    except BaseException as exc:  # noqa: BLE001 - everything goes to the parent
+        tb = traceback.format_exc()
+        try:
+            pickle.dumps(exc)
+            carried: Any = exc
+        except Exception:  # noqa: BLE001 - an unpicklable exception travels as text
+            carried = None
+        message = ("error", type(exc).__name__, str(exc), tb, carried)
+    try:
+        conn.send(message)
+    except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable return value
+        conn.send(("error", type(exc).__name__,
+                   f"could not send the result to the parent: {exc}",
+                   traceback.format_exc(), None))
+    conn.close()
+
+
+def _is_secondary(error_name: str) -> bool:
+    """Errors that usually follow another rank's failure rather than cause one."""
+    return error_name in (PeerError.__name__, CollectiveTimeout.__name__, "SpawnError")
+
+
+def spawn(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
+          backend: Optional[str] = None, timeout: Optional[float] = None,
+          join_timeout: Optional[float] = None,
+          env: Optional[dict[str, str]] = None) -> list[Any]:
+    """Run ``fn(*args)`` on ``nproc`` local ranks and return their results in rank order.
+
+    ``fn`` must be importable by name (defined at module level). Inside, it calls
+    :func:`collectives.init_process_group`, which finds its rank, the world size, the
+    ``backend`` chosen here and the group ``timeout`` (seconds) in its environment.
+    ``join_timeout`` bounds the whole job. Example with two ranks::
+
+        def work():
+            pg = collectives.init_process_group()
+            t = np.array([pg.rank + 1.0]); pg.all_reduce(t); pg.close()
+            return float(t[0])
+
+        collectives.spawn(work, 2)   # [3.0, 3.0]
+    """
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"spawn: argument `nproc` must be a positive int, got {nproc!r}")
+    if not callable(fn):
+        raise TypeError(f"spawn: argument `fn` must be callable, got {type(fn).__name__}")
+    ctx = multiprocessing.get_context("spawn")
+    job_id = secrets.token_hex(6)
+    base_env = {
+        "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+        "COLLECTIVES_JOB_ID": job_id, "COLLECTIVES_SPAWNED": "1",
+    }
+    if backend is not None:
+        base_env["COLLECTIVES_BACKEND"] = backend
+    if timeout is not None:
+        base_env["COLLECTIVES_TIMEOUT"] = str(float(timeout))
+    if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
+        base_env["OMP_NUM_THREADS"] = "1"  # as torchrun does: N ranks x all cores crawls
+    base_env.update(env or {})
+
+    procs: list[multiprocessing.process.BaseProcess] = []
+    conns: list[multiprocessing.connection.Connection] = []
+    job = _Job(procs, conns, job_id)
+    with _signals_raise_in_main_thread():
+        try:
+            for rank in range(nproc):
+                reader, writer = ctx.Pipe(duplex=False)
+                rank_env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
+                p = ctx.Process(target=_rank_main, args=(fn, tuple(args), rank_env, writer),
+                                name=f"collectives-rank{rank}", daemon=False)
+                p.start()
+                writer.close()
+                procs.append(p)
+                conns.append(reader)
+            return job.collect(join_timeout)
+        finally:
+            job.stop()
+
+
+class _Job:
+    """The parent's view of the spawned ranks: results, failures, and clean-up."""
+
+    def __init__(self, procs: list, conns: list, job_id: str) -> None:
+        self.procs, self.conns, self.job_id = procs, conns, job_id
+
+    def collect(self, join_timeout: Optional[float]) -> list[Any]:
+        n = len(self.procs)
+        results: list[Any] = [None] * n
+        done = [False] * n
+        failures: list[tuple[int, str, str, str, Any, Optional[int]]] = []
+        deadline = None if join_timeout is None else time.monotonic() + join_timeout
+        first_failure_at: Optional[float] = None
+        while not all(done):
+            now = time.monotonic()
+            if first_failure_at is not None and (now - first_failure_at > _ROOT_CAUSE_GRACE):
+                break
+            if deadline is not None and now > deadline:
+                running = [r for r in range(n) if not done[r]]
+                raise SpawnError(f"spawn: ranks {running} still running after "
+                                 f"join_timeout={join_timeout} s; stopped them",
+                                 rank=running[0])
+            waitables = [self.conns[r] for r in range(n) if not done[r]] + \
+                        [self.procs[r].sentinel for r in range(n) if not done[r]]
+            ready = multiprocessing.connection.wait(waitables, timeout=0.2)
+            for r in range(n):
+                if done[r]:
+                    continue
+                conn, proc = self.conns[r], self.procs[r]
+                message = None
+                if conn in ready or proc.sentinel in ready:
+                    try:
+                        if conn.poll():
+                            message = conn.recv()
+                    except (EOFError, OSError):
+                        message = None
+                    if message is None and proc.sentinel not in ready:
+                        continue
+                    if message is None:
+                        proc.join(0.1)
+                        failures.append((r, "died", f"rank {r} exited with code "
+                                         f"{proc.exitcode} without a result",
+                                         "", None, proc.exitcode))
+                    elif message[0] == "ok":
+                        results[r] = message[1]
+                    else:
+                        _, name, text, tb, exc = message
+                        failures.append((r, name, text, tb, exc, None))
+                    done[r] = True
+                    if failures and first_failure_at is None:
+                        first_failure_at = time.monotonic()
+        if failures:
+            raise self._error(failures)
+        return results
+
+    @staticmethod
+    def _error(failures: list) -> SpawnError:
+        primary = next((f for f in failures if not _is_secondary(f[1])), failures[0])
+        rank, name, text, tb, exc, exitcode = primary
+        others = [f"rank {f[0]}: {f[1]}" for f in failures if f is not primary]
+        message = f"rank {rank} failed: {name}: {text}"
+        if tb:
+            message += f"\n\n--- traceback of rank {rank} ---\n{tb.rstrip()}"
+        if others:
+            message += "\n\n(after it, " + "; ".join(others) + ")"
+        error = SpawnError(message, rank=rank, exitcode=exitcode, remote_traceback=tb)
+        error.__cause__ = exc if isinstance(exc, BaseException) else None
+        return error
+
+    def stop(self) -> None:
+        """Stop every rank still running (SIGTERM, then SIGKILL) and remove the job's
+        shared-memory segments."""
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        deadline = time.monotonic() + _TERMINATE_GRACE
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(1.0)
+        for c in self.conns:
+            c.close()
+        for p in self.procs:
+            p.close() if p.exitcode is not None else None
+        remove_job_segments(self.job_id)
+
+
+class _signals_raise_in_main_thread:
+    """While ranks run, turn SIGTERM into an exception in the parent (like Ctrl-C), so the
+    ``finally`` that stops the ranks runs."""
+
+    def __enter__(self) -> None:
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+                self._previous = signal.signal(signal.SIGTERM, _raise_terminated)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
