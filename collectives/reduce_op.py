@@ -40,8 +40,10 @@ _KERNELS = {
 def combine_into(op: ReduceOp, acc: np.ndarray, other: np.ndarray) -> None:
     """``acc = acc (op) other`` elementwise, in place.
 
-    Reducing inputs ``x0, x1, ..., xn-1`` always in this left-to-right order is what makes
-    every implementation in this library produce bitwise-identical floats.
+    Every all-reduce in this library fixes the order (and operand order) in which it
+    applies this, and every rank applies it identically, so all ranks of one call hold
+    bitwise-identical floats. Different algorithms (ring, tree, rank order) may round
+    differently from each other.
     """
     _KERNELS[op](acc, other, out=acc)
 
