@@ -1,0 +1,137 @@
+"""What the four examples (ddp, fsdp, tp, pp) share: the command line, the model, the
+launch, the progress bar and the closing JSON line.
+
+The contract (see DESIGN.md, "The examples' contract")::
+
+    python examples/NAME.py [--backend B] [--nproc N] [--epochs E] [--batch-size B]
+                            [--data-dir D] [--seed S] [--lr LR] [--trace FILE]
+
+Rank 0 shows a tqdm bar on standard error and prints, as the last line of standard
+output, one JSON object: ``{"example", "backend", "world_size", "epochs", "wall_s",
+"samples_per_s", "final_loss", "final_acc"}``. The other ranks print nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+from torch import nn
+
+import collectives
+
+__all__ = ["SUMMARY_KEYS", "build_mlp", "launch", "parse_args", "print_summary", "progress"]
+
+BACKENDS = ("shm", "zmq", "mpi", "gloo", "nccl")
+
+
+def parse_args(example: str, argv: Optional[Sequence[str]] = None, *, epochs: int = 3,
+               batch_size: int = 32, lr: float = 0.05, description: str = "") -> argparse.Namespace:
+    """The examples' common options; each example passes its own defaults.
+
+    ``--backend`` defaults to the launcher's: ``mpi`` under mpirun, ``COLLECTIVES_BACKEND``
+    when set, ``shm`` otherwise.
+    """
+    p = argparse.ArgumentParser(prog=f"examples/{example}.py", description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", default=None, metavar="|".join(BACKENDS),
+                   help="transport, or any registered backend's name (default: shm; mpi "
+                        "when started by mpirun)")
+    p.add_argument("--nproc", type=int, default=2,
+                   help="ranks to spawn (default: %(default)s; ignored when started by "
+                        "mpirun or torchrun)")
+    p.add_argument("--epochs", type=int, default=epochs, help="default: %(default)s")
+    p.add_argument("--batch-size", type=int, default=batch_size,
+                   help="samples per rank per step (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=lr,
+                   help="SGD learning rate, momentum 0.9 (default: %(default)s)")
+    p.add_argument("--data-dir", default=None,
+                   help="folder with the MNIST IDX files (default: the bundled subset)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="model initialisation and data order (default: %(default)s)")
+    p.add_argument("--trace", metavar="FILE", default=None,
+                   help="write a Chrome trace (chrome://tracing, ui.perfetto.dev) of every "
+                        "rank's steps and collectives to FILE")
+    args = p.parse_args(argv)
+    for name in ("nproc", "epochs", "batch_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    args.example = example
+    return args
+
+
+def build_mlp(seed: int) -> nn.Module:
+    """The MNIST MLP of the examples: 784-256-LayerNorm-ReLU-64-LayerNorm-ReLU-10,
+    initialised from ``seed`` (the global random state is left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(
+            nn.Linear(28 * 28, 256), nn.LayerNorm(256), nn.ReLU(),
+            nn.Linear(256, 64), nn.LayerNorm(64), nn.ReLU(),
+            nn.Linear(64, 10),
+        )
+
+
+def launch(main: Callable[[argparse.Namespace], Any], args: argparse.Namespace) -> None:
+    """Run ``main(args)`` on every rank.
+
+    Started by mpirun or torchrun, this process is one rank already: run ``main`` here.
+    Started alone, spawn ``args.nproc`` ranks. ``main`` must be importable from a fresh
+    interpreter: define it at the top level of the script and keep the script's own top
+    level under ``if __name__ == "__main__":`` (spawned ranks import the script as
+    ``__mp_main__``).
+    """
+    if collectives.detect_rendezvous().launcher != "single":
+        _rank_entry(main, args)
+    else:
+        collectives.spawn(_rank_entry, args.nproc, args=(main, args), backend=args.backend)
+
+
+def _rank_entry(main: Callable[[argparse.Namespace], Any], args: argparse.Namespace) -> None:
+    """One rank: compute with ``OMP_NUM_THREADS`` threads (default 1), then run ``main``.
+
+    One thread per rank makes N ranks use N cores, so that runs with different world sizes
+    compare; torch's default, a thread per core in every rank, oversubscribes the cores,
+    and its OpenMP threads then slow down by orders of magnitude. (Launchers export
+    ``OMP_NUM_THREADS=1``, but torch reads it when it is loaded, and a spawned rank loads
+    torch, unpickling ``main``, before its launcher's environment is applied: so set it
+    here.)
+    """
+    threads = os.environ.get("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else 1)
+    main(args)
+
+
+def progress(iterable: Iterable, rank: int, **kwargs: Any) -> Iterable:
+    """A tqdm bar on standard error on rank 0; the bare iterable elsewhere."""
+    if rank != 0:
+        return iterable
+    from tqdm import tqdm
+    # One bar in one process: a thread lock will do. tqdm's default also creates a
+    # multiprocessing semaphore, which a rank stopped while exiting leaves behind.
+    tqdm.set_lock(threading.RLock())
+    return tqdm(iterable, file=sys.stderr, dynamic_ncols=True, leave=False, **kwargs)
+
+
+#: The keys of the closing JSON line, in order.
+SUMMARY_KEYS = ("example", "backend", "world_size", "epochs", "wall_s", "samples_per_s",
+                "final_loss", "final_acc")
+
+
+def print_summary(rank: int, *, example: str, backend: str, world_size: int, epochs: int,
+                  wall_s: float, samples: int, final_loss: float, final_acc: float) -> None:
+    """On rank 0, print the closing JSON line. ``wall_s`` is the training loop's time (start-up
+    and evaluation excluded), ``samples`` the training samples all ranks processed in it."""
+    if rank != 0:
+        return
+    line = dict(zip(SUMMARY_KEYS, (
+        example, backend, world_size, epochs, round(wall_s, 3),
+        round(samples / wall_s, 1) if wall_s > 0 else None,
+        round(final_loss, 5), round(final_acc, 4))))
+    sys.stderr.flush()
+    print(json.dumps(line), flush=True)

@@ -1,0 +1,331 @@
+"""Distributed data parallel: every rank holds a replica, gradients are averaged.
+
+Written only against the :class:`collectives.ProcessGroup` interface, so the same class
+runs over shared memory, ZeroMQ, MPI or torch.distributed::
+
+    pg = collectives.init_process_group()
+    model = DDP(MLP(), pg)                       # rank 0's weights everywhere
+    for x, y in batches:                         # each rank its own shard
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()                          # returns with averaged .grad
+        opt.step()
+
+How a synchronised backward pass goes (Li et al., "PyTorch Distributed: Experiences on
+Accelerating Data Parallel Training", VLDB 2020, arXiv 2006.15704):
+
+1. At construction the trainable parameters are packed into buckets of about
+   ``bucket_cap_mb`` (one dtype and device per bucket), in reverse order of registration:
+   roughly the order in which backward produces their gradients. Each parameter's
+   ``.grad`` is a view into its bucket's flat buffer, so the optimizer, the autograd engine
+   and the all-reduce all work on the same memory.
+2. ``forward`` passes the module's outputs through an identity autograd function; its
+   backward, the first thing to run in the backward pass, queues a callback that the
+   autograd engine runs once the whole pass has finished.
+3. A post-accumulate-grad hook on each parameter tells its bucket that the gradient is
+   final. When a bucket's last gradient lands it starts ``all_reduce(flat, AVG,
+   async_op=True)`` on the group's thread, while backward goes on with earlier layers.
+   Buckets are launched strictly in bucket order: a full bucket waits for the ones before
+   it. Every rank therefore issues the same all-reduces in the same order, whatever order
+   its gradients arrive in; this is what keeps the ranks' collectives matched.
+4. The end-of-backward callback launches the buckets not launched yet, in order, filling
+   the gradients that never arrived (parameters not used in this step) with what their
+   ``.grad`` holds, or zeros, then waits for every bucket. ``loss.backward()`` returns with
+   averaged gradients. One flag per parameter travels in its bucket's all-reduce and says
+   whether some rank had a gradient for it: where none had, ``.grad`` stays ``None`` on every
+   rank, as it would in one process, and the optimizer skips the parameter everywhere.
+
+Under :meth:`DistributedDataParallel.no_sync` nothing is communicated: gradients
+accumulate in the buckets, and the next synchronised backward averages the sum.
+
+Not done (torch's DDP does): re-bucketing by the order gradients were observed to arrive
+in the first iteration, communication hooks (compression), ``static_graph``, joining
+uneven inputs (``Join``). Unused parameters need no flag here (``find_unused_parameters``):
+the end-of-backward callback and the per-parameter flags cover them at no extra message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from .bucket import Bucket, assign_buckets
+
+__all__ = ["DDP", "DistributedDataParallel"]
+
+_MIB = 1024 * 1024
+#: Module state is broadcast at construction in pieces of at most this many bytes.
+_BROADCAST_CAP_BYTES = 256 * _MIB
+
+
+class DistributedDataParallel(nn.Module):
+    """Wrap ``module`` so that ``loss.backward()`` leaves in every ``.grad`` the average of
+    the ranks' gradients.
+
+    Args:
+        module: the replica; it has the same parameters (names, shapes, dtypes) on every
+            rank, checked at construction.
+        group: the :class:`collectives.ProcessGroup` of the data-parallel ranks.
+        bucket_cap_mb: the size of a gradient bucket in MiB. Smaller buckets start
+            communicating earlier in backward; larger ones send fewer messages.
+        broadcast_buffers: broadcast the module's buffers (e.g. BatchNorm statistics) from
+            rank 0 before each forward in training mode, so that replicas stay identical.
+
+    Construction broadcasts every parameter and buffer from rank 0, so replicas start
+    identical whatever seeds the ranks used. Parameters with ``requires_grad=False`` are
+    broadcast but get no bucket. The ranks must run the same number of synchronised
+    backward passes (give them equally many batches: :class:`parallel.ShardSampler` pads
+    the shards to equal lengths).
+
+    ``.grad`` of a parameter is a view into its bucket, so averaging needs no copy.
+    ``optimizer.zero_grad(set_to_none=True)`` (torch's default) breaks the view: the next
+    backward's first gradient is then copied into the bucket once and the view restored;
+    ``zero_grad(set_to_none=False)`` keeps the views and saves that copy. Assigning
+    ``p.grad`` yourself works the same way (the value is copied in).
+    """
+
+    def __init__(self, module: nn.Module, group: Any, *, bucket_cap_mb: float = 25,
+                 broadcast_buffers: bool = True) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"DDP: argument `module` must be a torch.nn.Module, got "
+                            f"{type(module).__name__}")
+        for attr in ("rank", "size", "all_reduce", "broadcast", "all_gather_object"):
+            if not hasattr(group, attr):
+                raise TypeError(f"DDP: argument `group` must be a collectives.ProcessGroup "
+                                f"(it has no `{attr}`), got {type(group).__name__}")
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
+                or not bucket_cap_mb > 0:
+            raise ValueError(f"DDP: argument `bucket_cap_mb` must be a positive number, got "
+                             f"{bucket_cap_mb!r}")
+        self.module = module
+        self.group = group
+        self.bucket_cap_mb = bucket_cap_mb
+        self.broadcast_buffers = broadcast_buffers
+        self._where = f"[rank {group.rank}/{group.size}] DDP"
+
+        named = list(module.named_parameters())
+        for name, p in named:
+            if p.is_complex() or p.is_sparse:
+                raise TypeError(f"{self._where}: parameter {name!r} is "
+                                f"{'complex' if p.is_complex() else 'sparse'}; only dense "
+                                f"real parameters are supported")
+        self._check_same_replicas(named)
+        self._broadcast_state([p for _, p in named] + list(module.buffers()))
+
+        trainable = [p for _, p in named if p.requires_grad]
+        order = trainable[::-1]  # backward produces the last layers' gradients first
+        plan = assign_buckets([p.numel() * p.element_size() for p in order],
+                              max(1, int(bucket_cap_mb * _MIB)),
+                              keys=[(p.dtype, p.device) for p in order])
+        self._buckets = [Bucket(i, [order[j] for j in indices], group)
+                         for i, indices in enumerate(plan)]
+        self._hooks = []
+        for b, bucket in enumerate(self._buckets):
+            for slot, p in enumerate(bucket.params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    self._make_hook(b, slot)))
+
+        self._require_sync = True
+        self._pass_sync: bool | None = None  # this backward pass: None = none running
+        self._pass_task: int | None = None
+        self._next_launch = 0
+
+    # ------------------------------------------------------------------ construction
+    def _check_same_replicas(self, named: list) -> None:
+        """Every rank must hold the same parameters, or the broadcast and the buckets would
+        silently pair different tensors. Everyone sees every signature, so everyone raises."""
+        if self.group.size == 1:
+            return
+        mine = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in named]
+        everyone = self.group.all_gather_object(mine)
+        for rank, theirs in enumerate(everyone):
+            if theirs != everyone[0]:
+                diff = next((f"{a} vs {b}" for a, b in zip(everyone[0], theirs) if a != b),
+                            f"{len(everyone[0])} vs {len(theirs)} parameters")
+                raise ValueError(f"{self._where}: the replicas differ: rank 0 and rank "
+                                 f"{rank} hold different parameters (first difference: "
+                                 f"{diff})")
+
+    @torch.no_grad()
+    def _broadcast_state(self, tensors: list) -> None:
+        """Copy rank 0's values into ``tensors`` on every rank, a few flat messages per
+        dtype rather than one message per tensor."""
+        if self.group.size == 1 or not tensors:
+            return
+        plan = assign_buckets([t.numel() * t.element_size() for t in tensors],
+                              _BROADCAST_CAP_BYTES, keys=[(t.dtype, t.device) for t in tensors])
+        for indices in plan:
+            chunk = [tensors[i] for i in indices]
+            flat = torch.cat([t.detach().reshape(-1) for t in chunk])
+            self.group.broadcast(flat, src=0)
+            if self.group.rank != 0:
+                offset = 0
+                for t in chunk:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+    # ----------------------------------------------------------------------- forward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.broadcast_buffers and self.training and self.group.size > 1:
+            buffers = list(self.module.buffers())
+            if buffers:
+                self._broadcast_state(buffers)
+        out = self.module(*args, **kwargs)
+        if not torch.is_grad_enabled() or not self._buckets:
+            return out
+        leaves: list = []
+        _collect(out, leaves)
+        if not leaves:
+            return out
+        marked = iter(_BackwardEntry.apply(self, self._require_sync, *leaves))
+        return _replace(out, marked)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inside, backward only accumulates gradients locally; the first synchronised
+        backward after it averages the accumulated sums. The forward pass decides: run
+        both forward and backward inside.
+
+        With k micro-batches per step, scale each micro-batch's loss by 1/k to average::
+
+            for i, (x, y) in enumerate(micro_batches):
+                ctx = model.no_sync() if i < k - 1 else contextlib.nullcontext()
+                with ctx:
+                    (loss_fn(model(x), y) / k).backward()
+            opt.step()
+        """
+        previous, self._require_sync = self._require_sync, False
+        try:
+            yield
+        finally:
+            self._require_sync = previous
+
+    # ---------------------------------------------------------------------- backward
+    def _begin_backward(self, sync: bool) -> None:
+        """First event of a backward pass through this module (its outputs' identity
+        function, or else the first gradient hook): decide whether the pass synchronises,
+        and have the autograd engine call :meth:`_end_backward` when the pass is over."""
+        task = _graph_task_id()
+        if self._pass_sync is not None:
+            if task == self._pass_task:
+                return  # a second output of the pass that already began
+            # The pass we were in ended without its callback: backward raised midway.
+            self._pass_sync = None
+            for bucket in self._buckets:
+                bucket.reset()
+            if self._next_launch:
+                self._next_launch = 0
+                raise RuntimeError(
+                    f"{self._where}: the previous backward pass raised after some buckets "
+                    f"were sent; the ranks are out of step. Recreate the process group and "
+                    f"the DDP module.")
+        self._pass_sync, self._pass_task = sync, task
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _make_hook(self, b: int, slot: int):
+        def hook(param: torch.Tensor) -> None:
+            if self._pass_sync is None or self._pass_task != _graph_task_id():
+                self._begin_backward(self._require_sync)  # no output of ours in this pass
+            bucket = self._buckets[b]
+            bucket.adopt(slot)
+            if self._pass_sync and bucket.mark_ready(slot):
+                self._launch_ready()
+        return hook
+
+    def _launch_ready(self) -> None:
+        """Launch the full buckets at the head of the line, in bucket order."""
+        while (self._next_launch < len(self._buckets)
+               and self._buckets[self._next_launch].full):
+            self._buckets[self._next_launch].launch()
+            self._next_launch += 1
+
+    def _end_backward(self) -> None:
+        sync, self._pass_sync = self._pass_sync, None
+        if not sync:
+            return
+        try:
+            for bucket in self._buckets[self._next_launch:]:
+                bucket.fill_missing()
+                bucket.launch()
+        finally:
+            self._next_launch = 0
+            error = None
+            for bucket in self._buckets:
+                if error is None:
+                    try:
+                        bucket.finish()  # waits, hands out the averages, resets
+                    except BaseException as exc:  # noqa: BLE001 - re-raised below
+                        error = exc
+                else:
+                    bucket.reset()
+            if error is not None:
+                raise error
+
+    # -------------------------------------------------------------------- inspection
+    @property
+    def buckets(self) -> list[Bucket]:
+        """The gradient buckets, in launch order (read-only use)."""
+        return list(self._buckets)
+
+    def extra_repr(self) -> str:
+        sizes = ", ".join(f"{b.nbytes / _MIB:.2f}" for b in self._buckets)
+        return (f"world={self.group.size}, backend={getattr(self.group, 'backend', '?')}, "
+                f"buckets MiB=[{sizes}]")
+
+
+#: The short name, as in ``from parallel import DDP``.
+DDP = DistributedDataParallel
+
+
+class _BackwardEntry(torch.autograd.Function):
+    """Identity on the module's outputs. Its backward runs before any gradient of the
+    module's parameters, and registers the end-of-backward callback even on a rank where
+    no parameter receives a gradient (which then still launches every bucket)."""
+
+    @staticmethod
+    def forward(ctx: Any, ddp: DistributedDataParallel, sync: bool, *tensors: torch.Tensor):
+        ctx.ddp, ctx.sync = ddp, sync
+        ctx.set_materialize_grads(False)
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any):
+        ctx.ddp._begin_backward(ctx.sync)
+        return (None, None, *grads)
+
+
+def _graph_task_id() -> int | None:
+    """An id of the running backward pass (None where this torch cannot tell)."""
+    get = getattr(torch._C, "_current_graph_task_id", None)
+    return get() if get is not None else None
+
+
+def _collect(obj: Any, out: list) -> None:
+    """The tensors requiring grad in a (nested tuple/list/dict) output, in order."""
+    if isinstance(obj, torch.Tensor):
+        if obj.requires_grad:
+            out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            _collect(item, out)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            _collect(item, out)
+
+
+def _replace(obj: Any, new: Iterator) -> Any:
+    """``obj`` with the tensors found by :func:`_collect` replaced by ``new``'s, in order."""
+    if isinstance(obj, torch.Tensor):
+        return next(new) if obj.requires_grad else obj
+    if isinstance(obj, tuple):
+        items = [_replace(item, new) for item in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, list):
+        return [_replace(item, new) for item in obj]
+    if isinstance(obj, dict):
+        return type(obj)((k, _replace(v, new)) for k, v in obj.items())
+    return obj
