@@ -69,6 +69,10 @@ def _job_id(env: Mapping[str, str]) -> Optional[str]:
     addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
     if addr and port:
         return f"master={addr}:{port}"
+    if under_mpi_launcher(env):
+        # MPICH's Hydra exports no job id; the ranks of one host share their parent
+        # (the launcher's proxy), which no other job has.
+        return f"mpi-ppid={os.getppid()}"
     return None
 
 

@@ -9,6 +9,7 @@ parent raises :class:`SpawnError` naming the rank and carrying its traceback, on
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing
 import multiprocessing.connection
@@ -21,7 +22,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from .errors import CollectiveError, CollectiveTimeout, PeerError
 from .shm_names import remove_job_segments
@@ -62,12 +63,11 @@ def _die_with_parent() -> None:
             pass
 
 
-def _rank_main(fn: Callable[..., Any], args: tuple, env: dict[str, str],
+def _rank_main(fn: Callable[..., Any], args: tuple,
                conn: multiprocessing.connection.Connection) -> None:
     _die_with_parent()
     # The parent handles Ctrl-C for the whole job and stops us with SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ.update(env)
     try:
         result = fn(*args)
         message: tuple = ("ok", result)
@@ -79,12 +79,15 @@ def _rank_main(fn: Callable[..., Any], args: tuple, env: dict[str, str],
         except Exception:  # noqa: BLE001 - an unpicklable exception travels as text
             carried = None
         message = ("error", type(exc).__name__, str(exc), tb, carried)
+    # Plain pickle, not the connection's: once torch is imported, multiprocessing's
+    # pickler sends tensors as shared-memory handles that die with this process.
     try:
-        conn.send(message)
+        payload = pickle.dumps(message)
     except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable return value
-        conn.send(("error", type(exc).__name__,
-                   f"could not send the result to the parent: {exc}",
-                   traceback.format_exc(), None))
+        payload = pickle.dumps(("error", type(exc).__name__,
+                                f"could not send the result to the parent: {exc}",
+                                traceback.format_exc(), None))
+    conn.send_bytes(payload)
     conn.close()
 
 
@@ -137,10 +140,12 @@ def spawn(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
         try:
             for rank in range(nproc):
                 reader, writer = ctx.Pipe(duplex=False)
-                rank_env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
-                p = ctx.Process(target=_rank_main, args=(fn, tuple(args), rank_env, writer),
+                p = ctx.Process(target=_rank_main, args=(fn, tuple(args), writer),
                                 name=f"collectives-rank{rank}", daemon=False)
-                p.start()
+                # The environment must be in place when the interpreter starts, before it
+                # unpickles `fn` (and imports torch, which reads OMP_NUM_THREADS once).
+                with _environment(dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))):
+                    p.start()
                 writer.close()
                 procs.append(p)
                 conns.append(reader)
@@ -154,6 +159,7 @@ class _Job:
 
     def __init__(self, procs: list, conns: list, job_id: str) -> None:
         self.procs, self.conns, self.job_id = procs, conns, job_id
+        self.reported: set[int] = set()
 
     def collect(self, join_timeout: Optional[float]) -> list[Any]:
         n = len(self.procs)
@@ -182,7 +188,7 @@ class _Job:
                 if conn in ready or proc.sentinel in ready:
                     try:
                         if conn.poll():
-                            message = conn.recv()
+                            message = pickle.loads(conn.recv_bytes())
                     except (EOFError, OSError):
                         message = None
                     if message is None and proc.sentinel not in ready:
@@ -198,6 +204,7 @@ class _Job:
                         _, name, text, tb, exc = message
                         failures.append((r, name, text, tb, exc, None))
                     done[r] = True
+                    self.reported.add(r)
                     if failures and first_failure_at is None:
                         first_failure_at = time.monotonic()
         if failures:
@@ -221,6 +228,11 @@ class _Job:
     def stop(self) -> None:
         """Stop every rank still running (SIGTERM, then SIGKILL) and remove the job's
         shared-memory segments."""
+        # Ranks that reported are on their way out: let their finalizers run.
+        deadline = time.monotonic() + _TERMINATE_GRACE
+        for r, p in enumerate(self.procs):
+            if r in self.reported:
+                p.join(max(0.0, deadline - time.monotonic()))
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
@@ -236,6 +248,22 @@ class _Job:
         for p in self.procs:
             p.close() if p.exitcode is not None else None
         remove_job_segments(self.job_id)
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the duration of the block (child processes
+    started inside inherit them)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class _signals_raise_in_main_thread:
