@@ -1,0 +1,41 @@
+"""The public testing kit: what each collective means, cases to try, worlds to try them on.
+
+- :mod:`~collectives.testing.reference`: every collective as a pure numpy function over
+  all ranks' inputs (the oracle).
+- :mod:`~collectives.testing.strategies`: hypothesis strategies drawing a
+  :class:`CollectiveCase`; :func:`make_input` derives each rank's input from the case;
+  :func:`expected_outputs` applies the reference.
+- :mod:`~collectives.testing.pool`: :class:`WorldPool`, a world of worker processes started
+  once and fed many cases; :func:`check_backend` runs the whole sweep in one call.
+- :mod:`~collectives.testing.threads` (when present): :func:`run_threads`, a world of
+  threads in one process, for checking algorithms with no processes at all.
+
+Check a backend (or the default algorithms over its point to point) in one call::
+
+    from collectives.testing import check_backend
+    check_backend("shm")
+    check_backend("p2p:shm", world_sizes=(2, 5), max_examples=500)
+
+Needs ``hypothesis`` (``pip install 'collectives[test]'``).
+"""
+
+from . import reference
+from .execution import CaseResult, array_diff, compare, run_case
+from .pool import (LaunchedWorld, LauncherUnavailable, PoolError, RemoteError, RemoteErrors,
+                   WorldPool, check_backend, launcher_for, serve, spawn_launcher)
+from .strategies import (OPS, CollectiveCase, collective_cases, expected_outputs, input_shape,
+                         make_input, output_shape)
+
+__all__ = [
+    "OPS", "CaseResult", "CollectiveCase", "LaunchedWorld", "LauncherUnavailable", "PoolError",
+    "RemoteError", "RemoteErrors", "WorldPool", "array_diff", "check_backend",
+    "collective_cases", "compare", "expected_outputs", "input_shape", "launcher_for",
+    "make_input", "output_shape", "reference", "run_case", "serve", "spawn_launcher",
+]
+
+try:  # written separately; the kit works without it
+    from .threads import ThreadGroup, run_threads
+except ImportError:  # pragma: no cover - only before collectives.testing.threads exists
+    pass
+else:
+    __all__ += ["ThreadGroup", "run_threads"]

@@ -1,0 +1,512 @@
+"""A world of worker processes started once and fed many cases.
+
+Starting ``n`` interpreters and connecting them costs seconds; running one collective
+costs milliseconds. :class:`WorldPool` pays the first once: it starts a world of
+``world_size`` workers for one backend (each calls :func:`collectives.init_process_group`
+with the environment a launcher gives) and then sends them work through pipes::
+
+    with WorldPool("shm", 4) as pool:
+        pool.check(CollectiveCase("all_reduce", (5,), "float32", reduce_op="SUM"))
+        pool.call(my_module.my_check, 3)      # my_check(group, 3) on every rank
+
+If a worker dies or a call outlives ``timeout``, :class:`PoolError` says which ranks and
+what they were doing, the world is stopped, and the next call starts a fresh one.
+:func:`check_backend` runs the whole hypothesis conformance sweep in one call.
+
+How workers are started is pluggable: a *launcher* takes one environment per rank and
+returns a :class:`LaunchedWorld` whose connections lead to workers running :func:`serve`.
+:func:`spawn_launcher` (``multiprocessing`` "spawn" context, pipes) is the default; MPI
+workers must be started by ``mpiexec`` instead (see :func:`launcher_for`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import importlib.util
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import secrets
+import signal
+import sys
+import time
+import traceback
+import weakref
+from typing import Any, Callable, Optional, Protocol, Sequence, Union
+
+from ..errors import CollectiveError
+from ..shm_names import remove_job_segments
+from ..spawn import _die_with_parent, _Job, free_port
+from .execution import CaseResult, compare, run_case
+from .strategies import DTYPES, OPS, CollectiveCase, collective_cases
+
+#: A function run on every rank as ``fn(group, *args)``: a module-level callable (pickled
+#: by name) or its ``"module:function"`` name.
+Task = Union[str, Callable[..., Any]]
+
+#: The environment variable naming the modules a worker imports before it joins.
+PRELOAD_VARIABLE = "COLLECTIVES_POOL_PRELOAD"
+#: Exceptions after which a world is kept: argument errors, raised before any message.
+_ARGUMENT_ERRORS = ("TypeError", "ValueError")
+#: Seconds a call may run past ``timeout`` (the group's own timeout) before the pool
+#: stops the world: long enough for a CollectiveTimeout to arrive and name the culprit.
+_GRACE = 5.0
+#: Seconds a world may take to start (interpreters, imports, rendezvous) at the least: a
+#: busy machine can be slow here while collectives themselves are fast.
+_START_TIMEOUT = 60.0
+
+
+class PoolError(CollectiveError):
+    """The world of a :class:`WorldPool` failed: a worker died, hung, or could not start.
+    The world is stopped; the next call starts a fresh one (unless the start failed)."""
+
+
+class RemoteError(Exception):
+    """The exception a worker raised, as seen in the parent: ``rank``, ``type_name``,
+    ``message``, ``remote_traceback`` and, when it could be pickled, ``exception``."""
+
+    def __init__(self, rank: int, type_name: str, message: str, remote_traceback: str,
+                 exception: Optional[BaseException] = None) -> None:
+        super().__init__(f"rank {rank}: {type_name}: {message}")
+        self.rank, self.type_name, self.message = rank, type_name, message
+        self.remote_traceback, self.exception = remote_traceback, exception
+
+    def __reduce__(self) -> tuple:
+        return (RemoteError, (self.rank, self.type_name, self.message,
+                              self.remote_traceback, self.exception))
+
+    def describe(self) -> str:
+        """The message and the worker's traceback."""
+        return f"{self}\n--- traceback of rank {self.rank} ---\n{self.remote_traceback.rstrip()}"
+
+
+class RemoteErrors(CollectiveError):
+    """:meth:`WorldPool.call` failed on some ranks. ``errors[r]`` is rank r's
+    :class:`RemoteError` or None; ``results[r]`` its return value where it succeeded."""
+
+    def __init__(self, errors: list[Optional[RemoteError]], results: list[Any]) -> None:
+        failed = [e for e in errors if e is not None]
+        super().__init__("\n\n".join(e.describe() for e in failed))
+        self.errors, self.results = errors, results
+
+
+# ------------------------------------------------------------------------------ workers
+def _resolve(task: Task) -> Callable[..., Any]:
+    if callable(task):
+        return task
+    module, _, name = task.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _error_reply(exc: BaseException) -> tuple:
+    try:
+        pickle.dumps(exc)
+        carried: Optional[BaseException] = exc
+    except Exception:  # noqa: BLE001 - an unpicklable exception travels as text
+        carried = None
+    return ("error", type(exc).__name__, str(exc), traceback.format_exc(), carried)
+
+
+def serve(conn: multiprocessing.connection.Connection,
+          initializer: Optional[Task] = None) -> None:
+    """A worker's life: import the modules named in ``COLLECTIVES_POOL_PRELOAD``
+    (comma-separated), run ``initializer()``, join the world through
+    :func:`collectives.init_process_group` (everything from the environment), say
+    ``("ready", rank, pid)``, then answer ``("call", task, args)`` with ``("ok", value)``
+    or ``("error", type name, message, traceback, exception)`` until ``("close",)``.
+
+    Any launcher's workers run this with a duplex connection to the pool.
+    """
+    import collectives
+
+    try:
+        for module in filter(None, os.environ.get(PRELOAD_VARIABLE, "").split(",")):
+            importlib.import_module(module)
+        if initializer is not None:
+            _resolve(initializer)()
+        group = collectives.init_process_group()
+    except BaseException as exc:  # noqa: BLE001 - reported to the pool
+        conn.send(_error_reply(exc))
+        return
+    conn.send(("ready", group.rank, os.getpid()))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the pool is gone
+            break
+        if message[0] == "close":
+            try:
+                group.close()
+                conn.send(("ok", None))
+            except BaseException as exc:  # noqa: BLE001 - reported to the pool
+                conn.send(_error_reply(exc))
+            break
+        _, task, args = message
+        try:
+            reply: tuple = ("ok", _resolve(task)(group, *args))
+        except BaseException as exc:  # noqa: BLE001 - reported to the pool
+            reply = _error_reply(exc)
+        try:
+            conn.send(reply)
+        except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable return value
+            conn.send(("error", type(exc).__name__,
+                       f"could not send the result to the pool: {exc}",
+                       traceback.format_exc(), None))
+    conn.close()
+
+
+def _spawned_worker(env: dict[str, str], conn: multiprocessing.connection.Connection,
+                    initializer: Optional[Task]) -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the pool stops us; Ctrl-C is its job
+    os.environ.update(env)
+    serve(conn, initializer)
+    # The group is closed and the pool has its answer: skip the interpreter's slow
+    # shutdown (seconds with torch loaded); what close() did not release shows as a leak.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+# ---------------------------------------------------------------------------- launchers
+class LaunchedWorld(Protocol):
+    """What a launcher returns: ``conns[r]`` leads to rank r's worker (running
+    :func:`serve`); ``sentinels`` become ready when a worker exits (may be empty: then a
+    death shows as end of file on its connection); ``alive()`` lists the pids still
+    running; ``stop()`` ends every worker, by force if needed; ``exit_description(r)``
+    says how rank r ended ('' if unknown)."""
+
+    conns: Sequence[multiprocessing.connection.Connection]
+    sentinels: Sequence[Any]
+
+    def exit_description(self, rank: int) -> str: ...
+
+    def stop(self) -> None: ...
+
+    def alive(self) -> list[int]: ...
+
+
+#: ``launcher(envs, initializer) -> LaunchedWorld``: start ``len(envs)`` workers, worker r
+#: with ``envs[r]`` added to its environment, each running ``serve(conn, initializer)``.
+Launcher = Callable[[list[dict[str, str]], Optional[Task]], LaunchedWorld]
+
+
+class _SpawnedWorld:
+    def __init__(self, procs: list, conns: list, job_id: str) -> None:
+        self.procs, self.conns = procs, conns
+        self.sentinels = [p.sentinel for p in procs]
+        self._job = _Job(procs, conns, job_id)
+
+    def exit_description(self, rank: int) -> str:
+        p = self.procs[rank]
+        p.join(0.5)
+        code = p.exitcode
+        if code is None:
+            return "still running"
+        return f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+
+    def alive(self) -> list[int]:
+        return [p.pid for p in self.procs if p.is_alive()]
+
+    def stop(self) -> None:
+        self._job.stop()  # SIGTERM, SIGKILL after a grace, close pipes, remove segments
+
+
+def spawn_launcher(envs: list[dict[str, str]], initializer: Optional[Task] = None) -> _SpawnedWorld:
+    """Start one ``multiprocessing`` "spawn" process per environment (the default
+    launcher). Workers die with the pool's process (``PR_SET_PDEATHSIG``)."""
+    ctx = multiprocessing.get_context("spawn")
+    procs, conns = [], []
+    job_id = envs[0].get("COLLECTIVES_JOB_ID", "") if envs else ""
+    try:
+        for env in envs:
+            ours, theirs = ctx.Pipe(duplex=True)
+            p = ctx.Process(target=_spawned_worker, args=(env, theirs, initializer),
+                            name=f"collectives-pool-rank{env.get('RANK', '?')}", daemon=False)
+            p.start()
+            theirs.close()
+            procs.append(p)
+            conns.append(ours)
+    except BaseException:
+        _Job(procs, conns, job_id).stop()
+        raise
+    return _SpawnedWorld(procs, conns, job_id)
+
+
+class LauncherUnavailable(RuntimeError):
+    """No launcher can start workers of this backend here."""
+
+
+def launcher_for(backend: str) -> Launcher:
+    """The launcher that starts workers of ``backend``: :func:`spawn_launcher` for every
+    backend whose ranks meet through the launcher's environment (shm, zmq, gloo, third
+    parties). ``mpi`` needs its workers started by ``mpiexec`` (connecting back to the
+    pool and running :func:`serve`): :func:`collectives.testing.mpi_launch.mpiexec_launcher`,
+    or :class:`LauncherUnavailable` where ``mpiexec`` or ``mpi4py`` is missing."""
+    if backend.rpartition(":")[2] == "mpi":
+        from .mpi_launch import mpiexec_launcher, mpiexec_program
+        mpiexec_program()  # LauncherUnavailable, with the reason, if it cannot run here
+        return mpiexec_launcher
+    return spawn_launcher
+
+
+# --------------------------------------------------------------------------------- pool
+_live_pools: "weakref.WeakSet[WorldPool]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_pools() -> None:
+    for pool in list(_live_pools):
+        pool.close(check_leaks=False)
+
+
+def live_pools() -> list["WorldPool"]:
+    """Pools of this process whose world is running (for leak checks)."""
+    return [p for p in _live_pools if p.running]
+
+
+class WorldPool:
+    """``world_size`` workers of ``backend``, started once, fed many calls.
+
+    ``timeout`` (seconds) is the group's timeout inside the workers and bounds every call
+    (plus a few seconds' grace, so that the group's own ``CollectiveTimeout`` naming the
+    missing ranks arrives first). ``initializer`` (a module-level callable or
+    ``"module:function"``) runs in each worker before it joins the world: register a
+    backend of your own there. ``preload`` names modules each worker imports while the
+    world starts (``("torch",)``: seconds that would otherwise count against the first
+    call's timeout). ``env`` adds environment variables. ``launcher`` defaults to
+    :func:`launcher_for(backend) <launcher_for>`.
+    """
+
+    def __init__(self, backend: str, world_size: int, *, timeout: float = 60.0,
+                 launcher: Optional[Launcher] = None, initializer: Optional[Task] = None,
+                 preload: Sequence[str] = (), env: Optional[dict[str, str]] = None) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"WorldPool: world_size must be a positive int, got {world_size!r}")
+        if not isinstance(backend, str):
+            raise TypeError(f"WorldPool: backend must be a name, got {type(backend).__name__}")
+        self.backend, self.world_size, self.timeout = backend, world_size, float(timeout)
+        self.launcher = launcher or launcher_for(backend)
+        self.initializer = initializer
+        self.env = {PRELOAD_VARIABLE: ",".join(preload), **(env or {})}
+        self.starts = 0
+        self.job_id: Optional[str] = None
+        self._world: Optional[LaunchedWorld] = None
+        self._broken: Optional[str] = None
+
+    def __repr__(self) -> str:
+        state = "broken" if self._broken else "running" if self.running else "stopped"
+        return f"<WorldPool {self.backend} x{self.world_size} {state}>"
+
+    @property
+    def running(self) -> bool:
+        return self._world is not None
+
+    def __enter__(self) -> "WorldPool":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(check_leaks=exc[0] is None)
+
+    # ----------------------------------------------------------------------- lifetime
+    def start(self) -> None:
+        """Start the world if it is not running (``PoolError`` if it cannot start; the
+        pool is then broken and every later call fails at once with the same reason)."""
+        if self._broken:
+            raise PoolError(f"{self!r}: {self._broken}")
+        if self._world is not None:
+            return
+        self.job_id = secrets.token_hex(6)
+        base = {"WORLD_SIZE": str(self.world_size), "LOCAL_WORLD_SIZE": str(self.world_size),
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                "COLLECTIVES_JOB_ID": self.job_id, "COLLECTIVES_SPAWNED": "1",
+                "COLLECTIVES_BACKEND": self.backend, "COLLECTIVES_TIMEOUT": str(self.timeout),
+                "OMP_NUM_THREADS": "1", **self.env}
+        envs = [dict(base, RANK=str(r), LOCAL_RANK=str(r)) for r in range(self.world_size)]
+        self._world = self.launcher(envs, self.initializer)
+        self.starts += 1
+        _live_pools.add(self)
+        try:
+            replies = self._replies("starting the world", max(self.timeout, _START_TIMEOUT))
+        except PoolError as exc:
+            self._broken = f"the world could not start: {exc}"
+            raise
+        failed = [r for r in replies if isinstance(r, RemoteError)]
+        if failed:
+            self._stop()
+            self._broken = "the world could not start:\n" + "\n".join(e.describe() for e in failed)
+            raise PoolError(f"{self!r}: {self._broken}")
+        ranks = [r[0] for r in replies]
+        if ranks != list(range(self.world_size)):
+            self._stop()
+            self._broken = f"workers joined as ranks {ranks}, expected 0..{self.world_size - 1}"
+            raise PoolError(f"{self!r}: {self._broken}")
+
+    def restart(self) -> None:
+        """Stop the world (by force) and start a fresh one."""
+        self._stop()
+        self.start()
+
+    def close(self, check_leaks: bool = True) -> None:
+        """Close every worker's group, stop the workers and remove the job's shared-memory
+        segments. With ``check_leaks``, raise ``PoolError`` if a worker failed to close
+        or did not exit, or a world that closed cleanly left segments behind."""
+        world = self._world
+        if world is None:
+            return
+        problems: list[str] = []
+        try:
+            for conn in world.conns:
+                conn.send(("close",))
+            replies = self._replies("closing the world", self.timeout + _GRACE)
+            problems += [e.describe() for e in replies if isinstance(e, RemoteError)]
+            deadline = time.monotonic() + 10.0
+            while world.alive() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if world.alive():
+                problems.append(f"workers {world.alive()} did not exit after closing")
+            leaked = remove_job_segments(self.job_id) if self.job_id else []
+            if leaked:
+                problems.append(f"shared-memory segments left in /dev/shm: {leaked}")
+        except (PoolError, OSError) as exc:
+            problems.append(str(exc))
+        finally:
+            self._stop()
+        if problems and check_leaks:
+            raise PoolError(f"{self!r}: closing the world: " + "\n".join(problems))
+
+    def _stop(self) -> None:
+        world, self._world = self._world, None
+        _live_pools.discard(self)
+        if world is not None:
+            world.stop()
+
+    # ---------------------------------------------------------------------- messages
+    def _replies(self, what: str, limit: float) -> list[Any]:
+        """Every rank's reply: its value, or a :class:`RemoteError`. A death or a reply
+        missing after ``limit`` seconds stops the world and raises ``PoolError``."""
+        world = self._world
+        assert world is not None
+        n = self.world_size
+        replies: list[Any] = [None] * n
+        pending = set(range(n))
+        deadline = time.monotonic() + limit
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._fail(what, f"no reply within {limit:g} s from ranks {sorted(pending)}",
+                           replies, pending)
+            sentinels = [world.sentinels[r] for r in pending] if world.sentinels else []
+            ready = multiprocessing.connection.wait(
+                [world.conns[r] for r in pending] + sentinels, timeout=remaining)
+            for r in sorted(pending):
+                conn = world.conns[r]
+                died = world.sentinels and world.sentinels[r] in ready
+                if conn not in ready and not died:
+                    continue
+                try:
+                    if not conn.poll():
+                        raise EOFError
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    self._fail(what, f"rank {r} died ({world.exit_description(r)})",
+                               replies, pending - {r})
+                pending.discard(r)
+                if message[0] == "ok":
+                    replies[r] = message[1]
+                elif message[0] == "ready":
+                    replies[r] = message[1:]
+                else:
+                    replies[r] = RemoteError(r, *message[1:])
+        return replies
+
+    def _fail(self, what: str, reason: str, replies: list[Any], pending: set[int]) -> None:
+        errors = [e.describe() for e in replies if isinstance(e, RemoteError)]
+        detail = "".join(f"\n\n{e}" for e in errors)
+        if pending:
+            detail += f"\n\nranks {sorted(pending)} had not replied"
+        self._stop()
+        detail += "\n\nThe world was stopped."
+        raise PoolError(f"{self!r} while {what}: {reason}{detail}")
+
+    def call(self, task: Task, *args: Any, timeout: Optional[float] = None,
+             raise_errors: bool = True) -> list[Any]:
+        """Run ``task(group, *args)`` on every rank and return the values in rank order.
+        ``timeout`` (seconds) bounds this call instead of the pool's.
+
+        If a rank raises, :class:`RemoteErrors` carries every rank's outcome (or, with
+        ``raise_errors=False``, the list holds :class:`RemoteError` in that rank's place).
+        After an exception other than ``TypeError``/``ValueError`` (which the contract
+        raises before any message) the world's state is unknown: it is restarted.
+        """
+        self.start()
+        world = self._world
+        for conn in world.conns:
+            conn.send(("call", task, args))
+        replies = self._replies(f"calling {getattr(task, '__qualname__', task)}",
+                                self.timeout + _GRACE if timeout is None else timeout)
+        errors = [r if isinstance(r, RemoteError) else None for r in replies]
+        if any(e is not None and e.type_name not in _ARGUMENT_ERRORS for e in errors):
+            self._stop()  # the next call starts a fresh world
+        if raise_errors and any(errors):
+            raise RemoteErrors(errors, [None if e else r for e, r in zip(errors, replies)])
+        return replies
+
+    def run(self, case: CollectiveCase) -> list[CaseResult]:
+        """Run ``case`` on every rank: each rank's :class:`CaseResult` (with ``error`` set
+        where the rank raised)."""
+        replies = self.call(run_case, case, raise_errors=False)
+        return [CaseResult(r, error=x) if isinstance(x, RemoteError) else x
+                for r, x in enumerate(replies)]
+
+    def check(self, case: CollectiveCase) -> list[CaseResult]:
+        """Run ``case`` and raise ``AssertionError`` describing every difference from the
+        reference (outputs, untouched inputs, bitwise-equal all_reduce results, memory
+        outside strided views, errors); return the results when it passed."""
+        results = self.run(case)
+        problems = compare(case, self.world_size, results)
+        if problems:
+            raise AssertionError(
+                f"{case.op} on backend {self.backend!r} with {self.world_size} ranks: "
+                f"{len(problems)} problem(s)\n  case: {case!r}\n  - "
+                + "\n  - ".join(p.replace("\n", "\n    ") for p in problems)
+                + f"\n  reproduce: WorldPool({self.backend!r}, {self.world_size}).check(case)")
+        return results
+
+
+def check_backend(backend: Union[str, Sequence[str]], world_sizes: Sequence[int] = (1, 2, 3, 4),
+                  max_examples: int = 200, *, ops: Sequence[str] = OPS,
+                  dtypes: Sequence[str] = DTYPES, kinds: Optional[Sequence[str]] = None,
+                  timeout: float = 60.0, initializer: Optional[Task] = None,
+                  derandomize: bool = True) -> None:
+    """Check one backend (or several) against the reference: for each world size, a pool
+    of workers is fed ``max_examples`` hypothesis-drawn cases of every op, dtype,
+    reduction, root, shape and layout. Raises ``AssertionError`` on the first (shrunk)
+    failing case. To check a backend or algorithm of your own, register it in
+    ``initializer``::
+
+        def register():                      # in mypkg/checks.py
+            collectives.register_backend("mine", "mypkg.mine:create")
+
+        check_backend("mine", initializer="mypkg.checks:register")
+        check_backend("p2p:mine", initializer="mypkg.checks:register")  # default algorithms
+    """
+    from hypothesis import HealthCheck, given, settings
+
+    cases = {n: collective_cases(n, ops, dtypes, kinds=kinds) for n in world_sizes}
+    uses_torch = kinds is None or set(kinds) & {"torch", "cuda"}
+    preload = ("torch",) if uses_torch and importlib.util.find_spec("torch") else ()
+    for name in [backend] if isinstance(backend, str) else list(backend):
+        for n in world_sizes:
+            with WorldPool(name, n, timeout=timeout, initializer=initializer,
+                           preload=preload) as pool:
+                @settings(max_examples=max_examples, deadline=None, derandomize=derandomize,
+                          database=None, suppress_health_check=list(HealthCheck))
+                @given(cases[n])
+                def conforms(case: CollectiveCase) -> None:
+                    pool.check(case)
+
+                conforms()

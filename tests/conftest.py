@@ -1,0 +1,185 @@
+"""Shared test set-up: worlds of worker processes per (backend, world size), the list of
+backends to test, and a session-end check that nothing was left behind.
+
+A test that takes the ``pool`` fixture runs once per backend and world size::
+
+    def test_something(pool):                 # pool: a running WorldPool
+        pool.check(CollectiveCase("all_reduce", (3,), "int32", reduce_op="SUM"))
+
+Each world starts once per session: the tests of one (backend, world size) are run one
+after another (``pytest_collection_modifyitems``) and :class:`PoolCache` keeps the last
+few worlds running. The backends come from ``collectives.available_backends()`` (plus
+``p2p:shm``, the default algorithms over shm's point to point): a new backend is tested
+with no change here. Workers import torch while their world starts, not in the first
+test that needs it.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import os
+import time
+from collections import OrderedDict
+from typing import Any
+
+import pytest
+
+import collectives
+from collectives.shm_names import PREFIX, SHM_DIR
+from collectives.testing.pool import LauncherUnavailable, WorldPool, launcher_for, live_pools
+
+#: World sizes every backend is tested with.
+WORLD_SIZES = (1, 2, 3, 4)
+#: Seconds a collective may block inside a test world (the group's timeout) before it is
+#: reported; generous for 4 ranks on 2 busy cores, short enough that a hang fails fast.
+POOL_TIMEOUT = 10.0
+#: Names that are aliases of others (left out), and backends these tests cannot drive.
+_ALIASES = {"torch"}  # gloo or nccl, whichever fits
+_NOT_TESTED_HERE = {"nccl": "needs CUDA tensors; this suite passes host tensors"}
+
+_close_problems: list[str] = []
+
+
+@functools.lru_cache(maxsize=None)
+def backend_params() -> tuple[Any, ...]:
+    """``pytest.param`` per backend to test: ``shm``, ``p2p:shm`` and every other backend
+    ``available_backends()`` reports; one that cannot be used here is a skip, with why."""
+    available = collectives.available_backends()
+    names = ["shm", "p2p:shm"] + [b for b in available if b not in _ALIASES | {"shm"}]
+    params = []
+    for name in names:
+        base = name.rpartition(":")[2]
+        reason = _NOT_TESTED_HERE.get(base)
+        if reason is None and base not in available:
+            reason = f"backend {base!r} is not available here (module or library missing)"
+        if reason is None:
+            try:
+                launcher_for(name)
+                collectives.get_backend(name)
+            except (LauncherUnavailable, ImportError, TypeError, ValueError) as exc:
+                reason = f"{type(exc).__name__}: {exc}"
+        marks = [pytest.mark.skip(reason=f"{name}: {reason}")] if reason else []
+        params.append(pytest.param(name, id=name, marks=marks))
+    return tuple(params)
+
+
+def _parametrized_by_mark(metafunc: pytest.Metafunc, name: str) -> bool:
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        names = mark.args[0]
+        names = [n.strip() for n in names.split(",")] if isinstance(names, str) else names
+        if name in names:
+            return True
+    return False
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Tests that take ``pool`` run on every backend and world size (unless they
+    parametrize ``backend`` or ``world_size`` themselves)."""
+    if "pool" not in metafunc.fixturenames:
+        return
+    if not _parametrized_by_mark(metafunc, "backend"):
+        metafunc.parametrize("backend", backend_params())
+    if not _parametrized_by_mark(metafunc, "world_size"):
+        metafunc.parametrize("world_size", WORLD_SIZES, ids=[f"n{n}" for n in WORLD_SIZES])
+
+
+def _world_key(item: pytest.Item) -> Any:
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if "pool" not in getattr(item, "fixturenames", ()):
+        return None
+    order = [p.values[0] for p in backend_params()]
+    backend = str(params.get("backend"))
+    rank = order.index(backend) if backend in order else len(order)
+    return (rank, backend, params.get("world_size", 0))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the tests of one world one after another (each world then starts once); tests
+    without a pool keep their places."""
+    slots = [i for i, item in enumerate(items) if _world_key(item) is not None]
+    ordered = sorted((items[i] for i in slots), key=_world_key)
+    for i, item in zip(slots, ordered):
+        items[i] = item
+
+
+class PoolCache:
+    """Running :class:`WorldPool` per (backend, world size); at most ``max_alive`` at a
+    time (the least recently used is closed first). Problems found when closing (a
+    worker that did not exit, shared memory left behind) are reported at session end."""
+
+    def __init__(self, max_alive: int = 2) -> None:
+        self.max_alive = max_alive
+        self._pools: OrderedDict[tuple[str, int], WorldPool] = OrderedDict()
+
+    def get(self, backend: str, world_size: int) -> WorldPool:
+        key = (backend, world_size)
+        pool = self._pools.pop(key, None)
+        if pool is None:
+            while len(self._pools) >= self.max_alive:
+                self._close(self._pools.popitem(last=False)[1])
+            pool = WorldPool(backend, world_size, timeout=POOL_TIMEOUT, preload=("torch",))
+        self._pools[key] = pool
+        pool.start()  # no-op when running; raises PoolError when broken
+        return pool
+
+    def _close(self, pool: WorldPool) -> None:
+        try:
+            pool.close()
+        except Exception as exc:  # noqa: BLE001 - reported at session end
+            _close_problems.append(str(exc))
+
+    def close_all(self) -> None:
+        while self._pools:
+            self._close(self._pools.popitem(last=False)[1])
+
+
+@pytest.fixture(scope="session")
+def pools() -> Any:
+    """The session's :class:`PoolCache`."""
+    cache = PoolCache()
+    yield cache
+    cache.close_all()
+
+
+@pytest.fixture
+def pool(pools: PoolCache, backend: str, world_size: int) -> WorldPool:
+    """A running world of ``world_size`` workers of ``backend``, shared by every test of
+    the session that asks for the same pair."""
+    return pools.get(backend, world_size)
+
+
+def _shm_entries() -> set[str]:
+    try:
+        return {name for name in os.listdir(SHM_DIR) if name.startswith(PREFIX)}
+    except FileNotFoundError:
+        return set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_behind() -> Any:
+    """After the session: no ``collectives-*`` segment in /dev/shm that was not there
+    before, no worker process alive, every pool closed cleanly."""
+    before = _shm_entries()
+    yield
+    problems = list(_close_problems)
+    deadline = time.monotonic() + 3.0  # let ranks that are exiting finish
+    while True:
+        children = multiprocessing.active_children()
+        left = sorted(_shm_entries() - before)
+        if not (children or left) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    if left:
+        problems.append(f"shared-memory segments left in {SHM_DIR}: {left}")
+    if children:
+        problems.append(f"worker processes still alive: {children}")
+        for child in children:
+            child.kill()
+    running = live_pools()
+    if running:
+        problems.append(f"pools never closed: {running}")
+    if problems:
+        pytest.fail("the test session left things behind:\n" + "\n".join(problems),
+                    pytrace=False)
