@@ -1,0 +1,855 @@
+"""MPI through mpi4py as a backend of this library (registry name ``mpi``).
+
+Start the ranks with the MPI launcher; ``init_process_group()`` with no arguments then
+picks this backend, the launcher's rank and the world size::
+
+    mpiexec -n 4 python train.py                  # pg = collectives.init_process_group()
+
+A world of one also works without a launcher (MPI's singleton start). Ranks started any
+other way (``collectives.spawn``, torchrun) each see an MPI world of one: ``create``
+refuses them with a message that says to use ``mpiexec``.
+
+Everything is MPI's own, through mpi4py's buffer interface (the upper-case methods) on
+zero-copy views of the arrays the base class hands the hooks (``collectives.buffers``
+stages non-contiguous and CUDA tensors). Collectives are the non-blocking ones:
+``Iallreduce`` (``MPI_IN_PLACE``), ``Ibcast``, ``Ireduce``, ``Iallgather``, ``Igather``,
+``Iscatter``, ``Ireduce_scatter_block``, ``Ialltoall``/``Ialltoallv`` (split sizes),
+``Ibarrier``; point to point is ``Isend``/``Irecv``. Data-moving collectives and point to
+point carry every dtype as raw bytes (``MPI.BYTE``).
+
+Reductions (one table, :data:`_MPI_OPS`, maps each :class:`ReduceOp` to MPI's):
+
+- ``AVG`` is MPI's ``SUM``, then a division by the group size with
+  :func:`collectives.reduce_op.finish` (on every rank of all_reduce and reduce_scatter,
+  on the root of reduce), done when the operation is seen to complete.
+- ``float16`` and ``bfloat16``, which MPI has no reduction for, are reduced by
+  user-defined MPI operations (``MPI.Op.Create(..., commute=True)``) over 16-bit words
+  (``MPI.UINT16_T``) whose function is :func:`collectives.reduce_op.combine_into`, the
+  library's one definition of each operator: the values are those of numpy's float16 /
+  ml_dtypes' bfloat16 arithmetic (each step rounded to the 16-bit type, as on the shm
+  backend), with no widened copy and no extra traffic. Every rank gets bitwise-identical
+  results because MPICH's all-reduce algorithms either combine the same pair of partial
+  results on every rank (recursive doubling: ``a + b`` and ``b + a`` are the same bits)
+  or compute each block once and then move it (reduce-scatter + all-gather, ring,
+  tree/shm reduce + broadcast); ``tests/test_mpi_backend.py`` checks this on random,
+  inexact inputs at 1..4 ranks and several sizes. The Python function runs inside
+  ``Test()`` of the rank that reduces; it costs a numpy call per chunk.
+- ``bool`` has no reduction (the base class raises ``TypeError`` before any message).
+- ``reduce`` passes non-root tensors as MPI's send buffer, which MPI never writes: they
+  are left unchanged without a scratch copy.
+
+Point-to-point tags. MPI's tags stop at ``MPI.TAG_UB`` (at least 32767; 2**29 - 1 with
+MPICH 4/5), this library's at 2**63:
+
+- user tags (below 2**31) go to MPI unchanged, on the group's communicator. A user tag
+  above ``MPI.TAG_UB`` is a ``ValueError`` (raised by ``send``/``isend``/``recv``/
+  ``irecv`` before any message);
+- the tags of the library's send/recv algorithms (``p2p:mpi``, the default sub-groups
+  over it: bit 39 or the sub-group bits 40..60 set, see
+  :mod:`collectives.algorithms.links`) travel on an auxiliary *duplicate* of the group's
+  communicator, so they can never meet a user tag, folded into ``[0, 2**B)``, the
+  largest power of two below the 4 tags reserved at ``MPI.TAG_UB`` (2**28 with MPICH):
+  the algorithm step (bits 0..11) and the low sequence bits are kept, the bits above
+  ``B`` are hashed into bits 12..B-1 (:func:`fold_tag`). Two messages in flight between
+  one pair of ranks could share a folded tag only when their collectives are 2**(B-12)
+  (65536 with MPICH) sequence numbers apart or belong to different default sub-groups,
+  and then only with probability 2**-(B-12); MPI matches equal tags in posting order, so
+  even that is harmless unless two unrelated operations post in opposite orders.
+
+Waits and timeouts. Every wait (``Work.wait``, every blocking call, group creation)
+polls MPI's request with ``Test()`` and a deadline instead of blocking in ``MPI_Wait``:
+first ``Test()`` in a loop for ``COLLECTIVES_MPI_SPIN_US`` microseconds (default 1000),
+calling ``os.sched_yield()`` after every poll when this host's ranks outnumber its cores
+(the peer that must answer then gets the core) and after every 64 polls otherwise (like
+MPICH's own loops; ``COLLECTIVES_MPI_YIELD_EVERY`` overrides), then ``time.sleep`` from
+20 us doubling up to 1 ms, so a long wait costs almost no CPU. MPI makes progress only
+inside these ``Test()`` calls (there is no progress thread); the 1 ms cap keeps them
+frequent enough for large messages (``benchmarks/mpi_overhead.py`` measures the cost
+against raw mpi4py). A wait that passes the group's timeout (or the ``timeout`` given to
+``Work.wait``) raises :class:`CollectiveTimeout` with the op, its sequence number and,
+where knowable, the missing ranks:
+
+- point to point: the peer;
+- collectives: the waiting rank asks every peer, over the auxiliary communicator (tags
+  reserved at ``MPI.TAG_UB``), how many collectives it has entered on this group. A rank
+  waiting anywhere in this library (any group) answers from its polling loop; a rank that
+  has not entered the collective, or does not answer in time (a tenth of the timeout,
+  between 0.2 s and 1 s, added to the wait: it is computing, sleeping, hung or dead), is
+  named in ``missing``. The operation stays posted in MPI (MPI cannot cancel a
+  collective): if the late rank arrives, it completes and may still write the tensor.
+  Collectives match in issue order, so the group remains usable in principle; after a
+  timeout the usual course is to stop the job.
+
+When a rank dies. Under MPICH's ``mpiexec`` (Hydra) a rank that exits without
+``MPI_Finalize`` (killed by a signal, ``os._exit``, a segfault, the OOM killer) makes the
+launcher kill every other rank at once with SIGKILL: the surviving ranks see no Python
+exception (no ``finally`` runs, nothing is printed by them) and ``mpiexec`` exits with the
+dead rank's exit status, printing "BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES
+... KILLED BY SIGNAL" (exit status 9) when a signal killed it. A rank that ends by an
+uncaught Python exception still runs ``MPI_Finalize`` at exit (mpi4py does it), so MPI
+considers it finished: the others wait until their group timeout and raise
+``CollectiveTimeout`` naming it (it does not answer). Run scripts as ``python -m mpi4py
+script.py`` to abort the whole job at the first uncaught exception instead. Open MPI's
+``mpirun`` likewise aborts the job when a rank dies.
+
+Threads and initialisation. No thread of this module touches MPI: ``async_op=True``
+returns a :class:`MpiWork` around MPI's request (native non-blocking collectives, not the
+base class's thread). MPI is initialised when the first group is created (importing this
+module does not), by mpi4py with ``MPI_THREAD_MULTIPLE`` (mpi4py's default, stated here;
+``MPI4PY_RC_THREAD_LEVEL`` still overrides it) so that user threads may wait on works;
+``MPI_Finalize`` runs at exit (mpi4py), after an ``atexit`` hook of this module closed the
+groups still open. If the program initialised MPI itself, its thread level is kept. Under
+oversubscription (more local ranks than usable cores) MPICH's own blocking loops
+(``Comm.Create_group``, ``MPI_Finalize``, and any raw mpi4py call of the program) are made
+to yield with ``MPIR_CVAR_CH4_PROGRESS_THROTTLE=1`` and ``MPIR_CVAR_ENABLE_HEAVY_YIELD=1``
+unless already set (measured with 4 ranks on 2 cores, one rank away: each rank blocked in
+``MPI_Barrier`` burns 0.25 instead of 0.9 CPU-seconds per second; this module's own waits
+burn about 0.05). With spare cores they are left alone: there they slow a 4-byte
+``MPI_Allreduce`` between 2 ranks from ~4 us to ~250 us. ``COLLECTIVES_MPI_TUNE=0`` leaves
+MPICH's settings alone.
+
+Groups. The world is a duplicate of ``MPI.COMM_WORLD`` (so several worlds and user code
+on ``COMM_WORLD`` never mix messages); ``new_group(ranks)`` first waits (with the group
+timeout) until every member arrived, then calls ``Comm.Create_group`` with the members'
+``MPI.Group`` (collective over the members only, matching the contract that only members
+call ``new_group``). ``close()`` completes the collectives still in flight (bounded by
+the timeout; point to point gets a second), cancels unmatched receives and frees the
+group's communicators; never ``COMM_WORLD``. Arrays that MPI may still write after that
+(an operation that timed out) stay referenced until the process exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import sys
+import threading
+import time
+import weakref
+import zlib
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from collectives.buffers import HostBuffer
+from collectives.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, PeerError
+from collectives.errors import where as _where
+from collectives.group import MAX_USER_TAG, ProcessGroup
+from collectives.launch import Rendezvous
+from collectives.reduce_op import ReduceOp, combine_into, finish
+from collectives.work import Work
+
+__all__ = ["MpiGroup", "MpiWork", "create", "fold_tag", "load_mpi"]
+
+#: ``mpi4py.MPI`` once :func:`load_mpi` ran.
+MPI: Any = None
+
+#: Seconds of polling (``Test()``, with a ``sched_yield`` every ``_YIELD_EVERY`` polls)
+#: before a wait starts sleeping.
+_SPIN_S = float(os.environ.get("COLLECTIVES_MPI_SPIN_US", "1000")) * 1e-6
+#: Polls between two ``sched_yield`` calls while spinning: every poll when this host's
+#: ranks outnumber its cores (set by :func:`load_mpi`), else like MPICH's own loops.
+_YIELD_EVERY = 64
+_SLEEP_MIN = 20e-6
+_SLEEP_MAX = 1e-3
+#: Seconds a rank that timed out waits for its peers to say where they are (at most).
+_DIAG_BUDGET = 1.0
+#: Tags ``MPI.TAG_UB - k`` on the auxiliary communicator: questions and answers of the
+#: timeout diagnostics, arrivals and releases of new_group.
+_DIAG_ASK, _DIAG_ANSWER, _ARRIVE, _RELEASE = 0, 1, 2, 3
+_RESERVED_TAGS = 4
+#: Works in flight per group before completed ones are collected.
+_TRACK_LIMIT = 64
+
+
+# ---------------------------------------------------------------------- initialisation
+def _oversubscribed(env: Any) -> bool:
+    local = None
+    for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "PMIX_LOCAL_SIZE",
+                 "LOCAL_WORLD_SIZE"):
+        value = env.get(name)
+        if value and value.isdigit():
+            local = int(value)
+            break
+    if local is None:
+        return False
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return local > cores
+
+
+def _tune_mpich(env: Any) -> None:
+    """Make MPICH's own busy-wait loops yield when the ranks outnumber the cores."""
+    if env.get("COLLECTIVES_MPI_TUNE", "1") == "0" or not _oversubscribed(env):
+        return
+    env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1")
+    env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
+
+
+def load_mpi() -> Any:
+    """``mpi4py.MPI``, initialising MPI (``MPI_THREAD_MULTIPLE``) on first use."""
+    global MPI, _YIELD_EVERY
+    if MPI is None:
+        every = os.environ.get("COLLECTIVES_MPI_YIELD_EVERY")
+        _YIELD_EVERY = int(every) if every else 1 if _oversubscribed(os.environ) else 64
+        if "mpi4py.MPI" not in sys.modules:
+            import mpi4py
+            # mpi4py's defaults, stated; a user's MPI4PY_RC_* variables still win.
+            for name, value in (("initialize", True), ("finalize", True), ("threads", True),
+                                ("thread_level", "multiple")):
+                if f"MPI4PY_RC_{name.upper()}" not in os.environ:
+                    setattr(mpi4py.rc, name, value)
+            _tune_mpich(os.environ)
+        from mpi4py import MPI as _mpi
+        if not _mpi.Is_initialized():
+            _mpi.Init_thread(_mpi.THREAD_MULTIPLE)
+        _init_tables(_mpi)
+        MPI = _mpi
+    return MPI
+
+
+#: ReduceOp -> MPI's operator (AVG is a SUM followed by ``finish``).
+_MPI_OPS: dict = {}
+#: numpy dtype -> MPI datatype for reductions MPI does itself.
+_REDUCE_TYPES: dict = {}
+#: float16 and bfloat16: reduced by user-defined operators over 16-bit words.
+_USER_OP_DTYPES: tuple = ()
+_USER_OPS: dict = {}
+_USER_OPS_LOCK = threading.Lock()
+
+
+def _init_tables(mpi: Any) -> None:
+    import ml_dtypes
+
+    global _USER_OP_DTYPES
+    _MPI_OPS.update({ReduceOp.SUM: mpi.SUM, ReduceOp.AVG: mpi.SUM, ReduceOp.PRODUCT: mpi.PROD,
+                     ReduceOp.MIN: mpi.MIN, ReduceOp.MAX: mpi.MAX})
+    _REDUCE_TYPES.update({
+        np.dtype(np.float32): mpi.FLOAT, np.dtype(np.float64): mpi.DOUBLE,
+        np.dtype(np.int8): mpi.INT8_T, np.dtype(np.uint8): mpi.UINT8_T,
+        np.dtype(np.int16): mpi.INT16_T, np.dtype(np.int32): mpi.INT32_T,
+        np.dtype(np.int64): mpi.INT64_T})
+    _USER_OP_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+
+
+def _user_op(op: ReduceOp, dtype: np.dtype) -> Any:
+    """The commutative MPI operator that reduces 16-bit words as ``dtype`` with ``op``."""
+    key = (ReduceOp.SUM if op is ReduceOp.AVG else op, dtype)
+    mop = _USER_OPS.get(key)
+    if mop is None:
+        with _USER_OPS_LOCK:
+            mop = _USER_OPS.get(key)
+            if mop is None:
+                kind = key[0]
+
+                def reduce16(inbuf: Any, inoutbuf: Any, datatype: Any,
+                             kind: ReduceOp = kind, dtype: np.dtype = dtype) -> None:
+                    acc = np.frombuffer(inoutbuf, dtype)
+                    combine_into(kind, acc, np.frombuffer(inbuf, dtype))
+
+                mop = _USER_OPS[key] = MPI.Op.Create(reduce16, commute=True)
+    return mop
+
+
+#: (dtype, ReduceOp value) -> (MPI datatype, MPI operator), filled on first use.
+_REDUCTIONS: dict = {}
+
+
+def _reduction(a: np.ndarray, op: ReduceOp) -> tuple[list, Any]:
+    """(MPI buffer spec of the C-contiguous array ``a``, MPI operator) to reduce ``a``."""
+    found = _REDUCTIONS.get((a.dtype, op._value_))  # (an enum's own hash is slow)
+    if found is None:
+        dtype = a.dtype
+        if dtype in _REDUCE_TYPES:
+            found = (_REDUCE_TYPES[dtype], _MPI_OPS[op])
+        elif dtype in _USER_OP_DTYPES:
+            found = (MPI.UINT16_T, _user_op(op, dtype))
+        else:
+            raise TypeError(f"the mpi backend cannot reduce dtype {dtype}")
+        _REDUCTIONS[(dtype, op._value_)] = found
+    return [a, found[0]], found[1]
+
+
+def _bytes(a: np.ndarray) -> list:
+    """An MPI buffer spec of the C-contiguous ``a``'s bytes (every dtype, incl. bfloat16
+    and bool; mpi4py counts the bytes)."""
+    return [a, MPI.BYTE]
+
+
+def fold_tag(tag: int, bits: int) -> int:
+    """An MPI tag below ``2**bits`` for an internal tag (>= 2**31) of this library: the
+    low ``bits`` bits, with a hash of the higher bits mixed into bits 12 and up (the
+    algorithm step, bits 0..11, is kept as is).
+
+    >>> fold_tag((1 << 39) | (5 << 12) | 3, 29) & 0xFFF
+    3
+    """
+    mask = (1 << bits) - 1
+    high = tag >> bits
+    mix = (high * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    mix ^= mix >> 31
+    return (tag & mask) ^ ((mix << 12) & mask)
+
+
+# ------------------------------------------------------------------------------ polling
+def _poll(test: Callable[[], bool], limit: float) -> bool:
+    """Call ``test`` until it returns True (then True) or ``limit`` seconds passed (then
+    False): yielding the CPU between calls for ``_SPIN_S``, then sleeping with a delay
+    that doubles from 20 us to 1 ms. While sleeping, answer peers' questions about where
+    this rank is (see :meth:`MpiGroup._answer_peers`)."""
+    if test():
+        return True
+    now = time.monotonic()
+    deadline = now + limit
+    spin_end = min(now + _SPIN_S, deadline)
+    burst = min(_YIELD_EVERY, 16)  # polls between two looks at the clock
+    bursts_per_yield, bursts = max(_YIELD_EVERY // burst, 1), 0
+    yield_cpu = os.sched_yield
+    while now < spin_end:
+        for _ in range(burst):
+            if test():
+                return True
+        bursts += 1
+        if bursts >= bursts_per_yield:
+            yield_cpu()
+            bursts = 0
+        now = time.monotonic()
+    delay = _SLEEP_MIN
+    while now < deadline:
+        _answer_all_peers()
+        time.sleep(min(delay, deadline - now))
+        if test():
+            return True
+        delay = min(2 * delay, _SLEEP_MAX)
+        now = time.monotonic()
+    return test()
+
+
+# ------------------------------------------------------------------------------- works
+class MpiWork(Work):
+    """One operation of an :class:`MpiGroup`: MPI's request(s) plus what remains to do once
+    they completed (AVG's division, writing staged results back).
+
+    ``wait(timeout)`` raises :class:`CollectiveTimeout` when the operation is still
+    running after ``timeout`` seconds (the group's timeout when None); the operation goes
+    on and may be waited for again.
+    """
+
+    __slots__ = ("_group", "_op", "_seq", "_peer", "_requests", "_then", "_buffers", "_keep",
+                 "_lock", "_finished", "_error", "_timed_out")
+
+    def __init__(self, group: "MpiGroup", op: str, seq: int, requests: list,
+                 then: Optional[Callable[[], None]] = None,
+                 buffers: Sequence[HostBuffer] = (), keep: Any = None,
+                 peer: int = -1) -> None:
+        self._group = group
+        self._op, self._seq, self._peer = op, seq, peer
+        self._requests = requests
+        self._then = then
+        self._buffers = buffers
+        self._keep = keep  # the arrays MPI reads and writes, alive until completion
+        self._lock = threading.Lock()
+        self._finished = False
+        self._error: Optional[BaseException] = None
+        self._timed_out = False
+
+    def _test(self) -> bool:
+        """True once every request completed (or failed: then ``_error`` is set)."""
+        with self._lock:
+            if self._finished:
+                return True
+            try:
+                reqs = self._requests
+                return reqs[0].Test() if len(reqs) == 1 else MPI.Request.Testall(reqs)
+            except MPI.Exception as exc:
+                self._error = self._group._translate(exc, self._op, self._seq, self._peer)
+                return True
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        if not self._finished:
+            limit = self._group.timeout if timeout is None else float(timeout)
+            if not _poll(self._test, limit):
+                self._group._keep_alive(self)
+                raise self._group._timeout_error(self._op, self._seq, self._peer, limit,
+                                                 explicit=timeout is not None)
+            self._finish()
+        if self._error is not None:
+            raise self._error
+
+    def is_completed(self) -> bool:
+        if not self._finished and self._test():
+            self._finish()
+        return self._finished
+
+    def _finish(self) -> None:
+        with self._lock:
+            if self._finished:
+                return
+            try:
+                if self._error is None:
+                    if self._then is not None:
+                        self._then()
+                    for b in self._buffers:
+                        b.commit()
+            except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
+                self._error = exc
+            finally:
+                self._finished = True
+                self._requests, self._then, self._buffers, self._keep = [], None, (), None
+        self._group._untrack(self)
+
+
+# ------------------------------------------------------------------------------ groups
+_OPEN_GROUPS: "weakref.WeakSet[MpiGroup]" = weakref.WeakSet()
+#: Works whose group closed before MPI finished them: their arrays must outlive MPI.
+_ORPHANS: list = []
+_ASK_IDS = itertools.count(int.from_bytes(os.urandom(3), "little") << 20)
+
+
+def _answer_all_peers() -> None:
+    for group in list(_OPEN_GROUPS):
+        group._answer_peers()
+
+
+class MpiGroup(ProcessGroup):
+    """A ProcessGroup over an MPI communicator.
+
+    Four ranks, ``mpiexec -n 4 python script.py``::
+
+        pg = collectives.init_process_group()          # backend "mpi" under mpiexec
+        t = np.full(4, pg.rank + 1.0, np.float32)
+        pg.all_reduce(t)                               # [10, 10, 10, 10] on every rank
+        work = pg.all_gather(out, t, async_op=True)    # MPI_Iallgather underneath
+        work.wait()
+        pair = pg.new_group([0, 1] if pg.rank < 2 else [2, 3])   # MPI_Comm_create_group
+        pg.close()
+    """
+
+    backend = "mpi"
+
+    def __init__(self, comm: Any, *, timeout: float, where: str) -> None:
+        super().__init__(comm.Get_rank(), comm.Get_size(), timeout=timeout)
+        self._comm = comm
+        # The auxiliary communicator: the library's internal send/recv tags, the timeout
+        # diagnostics and new_group's handshake (two MPI context ids per group in all).
+        aux, request = comm.Idup()
+        if not _poll(request.Test, timeout):
+            raise CollectiveTimeout(f"{where}: not every rank arrived within {timeout:g} s",
+                                    op="init")
+        self._aux = aux
+        tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+        self._tag_ub = int(tag_ub) if tag_ub is not None else 32767
+        #: Internal tags fold into [0, 2**bits), below the reserved tags at the top.
+        self._tag_bits = (self._tag_ub + 1 - _RESERVED_TAGS).bit_length() - 1
+        self._diag_tags = [self._tag_ub - k for k in range(_RESERVED_TAGS)]
+        #: What the hook of the public call being run issued: MPI's request, what to do
+        #: once it completed, the arrays it uses (collectives are issued by one thread at
+        #: a time, since every rank must issue them in the same order).
+        self._issuing = False
+        self._issued: Optional[tuple] = None
+        self._inflight: dict = {}
+        self._inflight_lock = threading.Lock()
+        self._answers: list = []
+        self._diag_lock = threading.Lock()
+        _OPEN_GROUPS.add(self)
+
+    # --------------------------------------------------------------------- plumbing
+    def _describe(self, op: str, seq: int) -> str:
+        return f"{self._where(op)} (seq {seq})" if seq >= 0 else self._where(op)
+
+    def _translate(self, exc: BaseException, op: str, seq: int, peer: int = -1) -> BaseException:
+        """A typed error of this library for MPI's exception ``exc`` in ``op``."""
+        if isinstance(exc, CollectiveError) or not isinstance(exc, MPI.Exception):
+            return exc
+        where = self._describe(op, seq)
+        try:
+            cls, text = exc.Get_error_class(), exc.Get_error_string().strip()
+        except Exception:  # noqa: BLE001 - the error itself is what matters
+            cls, text = -1, str(exc)
+        failed = {getattr(MPI, n, None) for n in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING",
+                                                  "ERR_REVOKED")} - {None}
+        if cls == MPI.ERR_TRUNCATE:
+            error: BaseException = CollectiveMismatch(
+                f"{where}: a message was longer than the receive buffer (did the ranks pass "
+                f"different sizes or dtypes?): {text}")
+        elif cls in failed:
+            error = PeerError(f"{where}: a peer rank failed: {text}", peer=peer)
+        else:
+            error = CollectiveError(f"{where}: MPI error: {text}")
+        error.__cause__ = exc
+        return error
+
+    def _closed_error(self, op: str) -> CollectiveError:
+        return CollectiveError(f"{self._where(op)}: the group is closed")
+
+    def _issue(self, request: Any, then: Optional[Callable[[], None]] = None,
+               keep: Any = None, op: str = "collective", seq: int = -1) -> None:
+        """Hand MPI's ``request`` (and what to do after it) to the running call; every
+        hook issues exactly one request."""
+        if not self._issuing:  # a hook called on its own (p2p:mpi's barrier): finish now
+            MpiWork(self, op, seq, [request], then, (), keep).wait()
+            return
+        self._issued = (request, then, keep)
+
+    def _run(self, op: str, seq: int, fn: Callable[[], None], buffers: Sequence[HostBuffer],
+             async_op: bool) -> Optional[Work]:
+        """Start the op in MPI (non-blocking) and wrap its request, or, for a blocking
+        call, poll the request right here (no Work object on the fast path)."""
+        if self._comm is None:
+            raise self._closed_error(op)
+        self._issuing = True
+        try:
+            fn()
+            request, then, keep = self._issued
+        except MPI.Exception as exc:
+            raise self._translate(exc, op, seq) from exc
+        finally:
+            self._issuing, self._issued = False, None
+        if async_op:
+            work = MpiWork(self, op, seq, [request], then, buffers, keep)
+            self._track(work)
+            return work
+        try:
+            done = _poll(request.Test, self.timeout)
+        except MPI.Exception as exc:
+            raise self._translate(exc, op, seq) from exc
+        if not done:
+            self._keep_alive(MpiWork(self, op, seq, [request], then, buffers, keep))
+            raise self._timeout_error(op, seq, -1, self.timeout, explicit=False)
+        if then is not None:
+            then()
+        for b in buffers:
+            b.commit()
+        return None
+
+    def _track(self, work: MpiWork) -> None:
+        with self._inflight_lock:
+            self._inflight[work] = None
+            crowded = len(self._inflight) > _TRACK_LIMIT
+        if crowded:  # works nobody waits for: finish the completed ones
+            for w in list(self._inflight):
+                w.is_completed()
+
+    def _untrack(self, work: MpiWork) -> None:
+        with self._inflight_lock:
+            self._inflight.pop(work, None)
+
+    def _keep_alive(self, work: MpiWork) -> None:
+        """A wait timed out: MPI may still use the work's arrays, keep them referenced."""
+        work._timed_out = True
+        with self._inflight_lock:
+            self._inflight[work] = None
+
+    # ------------------------------------------------------------------ diagnostics
+    def _answer_peers(self) -> None:
+        """Tell every peer that asked how many collectives this rank entered here."""
+        diag = self._aux
+        if diag is None or not self._diag_lock.acquire(blocking=False):
+            return
+        try:
+            status = MPI.Status()
+            while True:
+                message = diag.Improbe(MPI.ANY_SOURCE, self._diag_tags[_DIAG_ASK], status)
+                if message is None:
+                    break
+                question = np.empty(2, np.int64)
+                message.Recv([question, MPI.INT64_T])
+                answer = np.array([question[0], self._seq], np.int64)
+                self._answers.append(
+                    (diag.Isend([answer, MPI.INT64_T], status.Get_source(),
+                                self._diag_tags[_DIAG_ANSWER]),
+                     answer))
+            if self._answers:
+                self._answers = [(r, a) for r, a in self._answers if not r.Test()]
+        except MPI.Exception:
+            pass  # diagnostics only
+        finally:
+            self._diag_lock.release()
+
+    def _ask_peers(self, seq: int, budget: float) -> dict[int, Optional[int]]:
+        """Every peer's count of collectives entered on this group (None: no answer
+        within ``budget`` seconds)."""
+        ask_id = next(_ASK_IDS)
+        question = np.array([ask_id, seq], np.int64)
+        peers = [r for r in range(self.size) if r != self.rank]
+        answers: dict[int, Optional[int]] = dict.fromkeys(peers)
+        try:
+            ask, answer = self._diag_tags[_DIAG_ASK], self._diag_tags[_DIAG_ANSWER]
+            sends = [self._aux.Isend([question, MPI.INT64_T], r, ask) for r in peers]
+            with self._diag_lock:
+                self._answers.extend((s, question) for s in sends)
+            pending = set(peers)
+            got = np.empty(2, np.int64)
+            deadline = time.monotonic() + budget
+            while pending and time.monotonic() < deadline:
+                _answer_all_peers()  # peers that timed out too ask us meanwhile
+                for r in sorted(pending):
+                    while True:
+                        message = self._aux.Improbe(r, answer)
+                        if message is None:
+                            break
+                        message.Recv([got, MPI.INT64_T])
+                        if got[0] == ask_id:  # not the answer to an earlier question
+                            answers[r] = int(got[1])
+                            pending.discard(r)
+                            break
+                if pending:
+                    time.sleep(1e-3)
+        except MPI.Exception:
+            pass
+        return answers
+
+    def _timeout_error(self, op: str, seq: int, peer: int, limit: float,
+                       explicit: bool) -> CollectiveTimeout:
+        where = self._describe(op, seq)
+        if explicit:
+            return CollectiveTimeout(f"{where}: still running after Work.wait(timeout={limit:g})",
+                                     op=op, seq=seq, missing=(peer,) if peer >= 0 else ())
+        if peer >= 0:
+            return CollectiveTimeout(
+                f"{where}: did not complete within the group timeout of {limit:g} s; rank "
+                f"{peer} did not post the matching operation", op=op, seq=seq, missing=(peer,))
+        if seq < 0 or self.size == 1 or self._aux is None:
+            return CollectiveTimeout(f"{where}: did not complete within the group timeout of "
+                                     f"{limit:g} s", op=op, seq=seq)
+        budget = min(_DIAG_BUDGET, max(0.2, 0.1 * limit))
+        answers = self._ask_peers(seq, budget)
+        missing, notes = [], []
+        for r, entered in sorted(answers.items()):
+            if entered is None:
+                missing.append(r)
+                notes.append(f"rank {r} did not answer within {budget:g} s (it is not "
+                             f"waiting in this library: computing, sleeping, hung or dead)")
+            elif entered <= seq:
+                missing.append(r)
+                notes.append(f"rank {r} has entered only {entered} collective(s) of this "
+                             f"group, not yet seq {seq}")
+        if missing:
+            detail = f"ranks {missing} did not arrive: " + "; ".join(notes)
+        else:
+            detail = ("every rank entered this collective but MPI did not complete it (did "
+                      "the ranks call different collectives, or pass different sizes?)")
+        return CollectiveTimeout(f"{where}: did not complete within the group timeout of "
+                                 f"{limit:g} s; {detail}", op=op, seq=seq, missing=missing)
+
+    # -------------------------------------------------------------- point to point
+    def _route(self, tag: int, op: str) -> tuple[Any, int]:
+        """(communicator, MPI tag) for a tag of this library (see the module docstring)."""
+        comm = self._comm
+        if comm is None:
+            raise self._closed_error(op)
+        if tag < MAX_USER_TAG:
+            if tag > self._tag_ub:
+                raise ValueError(f"{self._where(op)}: argument `tag`={tag} is above MPI's "
+                                 f"largest tag MPI.TAG_UB={self._tag_ub} of this MPI "
+                                 f"library; the mpi backend passes user tags to MPI "
+                                 f"unchanged, so use tags in [0, {self._tag_ub}]")
+            return comm, tag
+        return self._aux, fold_tag(tag, self._tag_bits)
+
+    def _isend(self, array: np.ndarray, dst: int, tag: int) -> Work:
+        comm, mtag = self._route(tag, "isend")
+        try:
+            request = comm.Isend(_bytes(array), dst, mtag)
+        except MPI.Exception as exc:
+            raise self._translate(exc, "isend", -1, dst) from exc
+        work = MpiWork(self, f"isend(dst={dst}, tag={tag})", -1, [request], keep=array, peer=dst)
+        self._track(work)
+        return work
+
+    def _irecv(self, array: np.ndarray, src: int, tag: int) -> Work:
+        comm, mtag = self._route(tag, "irecv")
+        try:
+            request = comm.Irecv(_bytes(array), src, mtag)
+        except MPI.Exception as exc:
+            raise self._translate(exc, "irecv", -1, src) from exc
+        work = MpiWork(self, f"irecv(src={src}, tag={tag})", -1, [request], keep=array, peer=src)
+        self._track(work)
+        return work
+
+    def _barrier(self, seq: int) -> None:
+        self._issue(self._comm.Ibarrier(), op="barrier", seq=seq)
+
+    # ----------------------------------------------------------------- collectives
+    def _avg(self, a: np.ndarray, op: ReduceOp) -> Optional[Callable[[], None]]:
+        if op is not ReduceOp.AVG or self.size == 1:
+            return None
+        size = self.size
+        return lambda: finish(op, a, size)
+
+    def _broadcast(self, a: np.ndarray, src: int, seq: int) -> None:
+        self._issue(self._comm.Ibcast(_bytes(a), root=src), keep=a)
+
+    def _all_reduce(self, a: np.ndarray, op: ReduceOp, seq: int) -> None:
+        buf, mop = _reduction(a, op)
+        self._issue(self._comm.Iallreduce(MPI.IN_PLACE, buf, mop),
+                    self._avg(a, op) if op is ReduceOp.AVG else None, keep=a)
+
+    def _reduce(self, a: np.ndarray, dst: int, op: ReduceOp, seq: int) -> None:
+        buf, mop = _reduction(a, op)
+        if self.rank == dst:
+            request = self._comm.Ireduce(MPI.IN_PLACE, buf, mop, root=dst)
+            self._issue(request, self._avg(a, op), keep=a)
+        else:  # MPI only reads a non-root's send buffer: the tensor stays unchanged
+            self._issue(self._comm.Ireduce(buf, None, mop, root=dst), keep=a)
+
+    def _all_gather(self, out: np.ndarray, inp: np.ndarray, seq: int) -> None:
+        self._issue(self._comm.Iallgather(_bytes(inp), _bytes(out)), keep=(out, inp))
+
+    def _gather(self, inp: np.ndarray, out: Optional[np.ndarray], dst: int, seq: int) -> None:
+        recv = _bytes(out) if self.rank == dst else None
+        self._issue(self._comm.Igather(_bytes(inp), recv, root=dst), keep=(out, inp))
+
+    def _scatter(self, out: np.ndarray, inp: Optional[np.ndarray], src: int, seq: int) -> None:
+        send = _bytes(inp) if self.rank == src else None
+        self._issue(self._comm.Iscatter(send, _bytes(out), root=src), keep=(out, inp))
+
+    def _reduce_scatter(self, out: np.ndarray, inp: np.ndarray, op: ReduceOp, seq: int) -> None:
+        send, mop = _reduction(inp, op)
+        recv, _ = _reduction(out, op)
+        self._issue(self._comm.Ireduce_scatter_block(send, recv, mop), self._avg(out, op),
+                    keep=(out, inp))
+
+    def _all_to_all(self, out: np.ndarray, inp: np.ndarray, out_counts: Sequence[int],
+                    in_counts: Sequence[int], seq: int) -> None:
+        k = out.dtype.itemsize
+        o, i = out.reshape(-1).view(np.uint8), inp.reshape(-1).view(np.uint8)
+        if len(set(out_counts)) <= 1 and len(set(in_counts)) <= 1 and \
+                list(out_counts) == list(in_counts):
+            count = (in_counts[0] if in_counts else 0) * k
+            request = self._comm.Ialltoall([i, count, MPI.BYTE], [o, count, MPI.BYTE])
+        else:
+            send_counts = [c * k for c in in_counts]
+            recv_counts = [c * k for c in out_counts]
+            request = self._comm.Ialltoallv(
+                [i, (send_counts, _displacements(send_counts)), MPI.BYTE],
+                [o, (recv_counts, _displacements(recv_counts)), MPI.BYTE])
+        self._issue(request, keep=(out, inp))
+
+    # ----------------------------------------------------------------- sub-groups
+    def _new_group(self, ranks: tuple[int, ...], instance: int) -> "MpiGroup":
+        where = f"{self._where('new_group')}({list(ranks)})"
+        if self._comm is None:
+            raise self._closed_error("new_group")
+        key = zlib.crc32(repr((ranks, instance)).encode()) & 0x7FFFFFFF
+        self._wait_for_members(ranks, key, where)
+        group = self._comm.Get_group()
+        members = group.Incl(list(ranks))
+        try:
+            # On the auxiliary communicator: never busy with the user's collectives.
+            comm = self._aux.Create_group(members, key % (self._tag_ub + 1))
+        except MPI.Exception as exc:
+            raise self._translate(exc, "new_group", -1) from exc
+        finally:
+            members.Free()
+            group.Free()
+        return MpiGroup(comm, timeout=self.timeout, where=where)
+
+    def _wait_for_members(self, ranks: tuple[int, ...], key: int, where: str) -> None:
+        """Return once every member of ``ranks`` called new_group for them (the lowest
+        member gathers a token from each and releases them), or raise CollectiveTimeout
+        naming those that did not come: ``Comm.Create_group`` itself cannot time out."""
+        if len(ranks) == 1:
+            return
+        leader, diag = ranks[0], self._aux
+        arrive, release_tag = self._diag_tags[_ARRIVE], self._diag_tags[_RELEASE]
+        token = np.array([key], np.int64)
+        if self.rank == leader:
+            others = list(ranks[1:])
+            got = {r: np.empty(1, np.int64) for r in others}
+            recvs = [diag.Irecv([got[r], MPI.INT64_T], r, arrive) for r in others]
+            if not _poll(lambda: MPI.Request.Testall(recvs), self.timeout):
+                missing = [r for r, q in zip(others, recvs) if not q.Test()]
+                for q in recvs:
+                    if q != MPI.REQUEST_NULL:
+                        q.Cancel()
+                raise CollectiveTimeout(f"{where}: ranks {missing} did not call new_group "
+                                        f"within {self.timeout:g} s", op="new_group",
+                                        missing=missing)
+            wrong = [r for r in others if int(got[r][0]) != key]
+            if wrong:
+                raise CollectiveMismatch(f"{where}: ranks {wrong} called new_group with other "
+                                         f"members (or in another order) than this rank")
+            sends = [diag.Isend([token, MPI.INT64_T], r, release_tag) for r in others]
+            _poll(lambda: MPI.Request.Testall(sends), self.timeout)
+        else:
+            release = np.empty(1, np.int64)
+            reqs = [diag.Isend([token, MPI.INT64_T], leader, arrive),
+                    diag.Irecv([release, MPI.INT64_T], leader, release_tag)]
+            if not _poll(lambda: MPI.Request.Testall(reqs), self.timeout):
+                raise CollectiveTimeout(f"{where}: the other members did not all call "
+                                        f"new_group within {self.timeout:g} s (rank {leader} "
+                                        f"gathers them)", op="new_group", missing=(leader,))
+
+    # --------------------------------------------------------------------- lifetime
+    def _close(self) -> None:
+        _OPEN_GROUPS.discard(self)
+        deadline = time.monotonic() + self.timeout
+        with self._inflight_lock:
+            pending = list(self._inflight)
+        for w in pending:  # finish what is in flight (results land, errors are dropped)
+            try:  # collectives get the timeout; point to point and works that timed out
+                left = max(deadline - time.monotonic(), 1e-3)  # already, a short grace
+                w.wait(min(left, 0.2) if w._timed_out else min(left, 1.0) if w._peer >= 0
+                       else left)
+            except Exception:  # noqa: BLE001 - close() must not raise for old errors
+                pass
+        with self._inflight_lock:
+            stuck, self._inflight = list(self._inflight), {}
+        for w in stuck:
+            for request in w._requests:
+                try:  # an unmatched receive can be cancelled; collectives cannot
+                    if request != MPI.REQUEST_NULL and w._op.startswith("irecv"):
+                        request.Cancel()
+                        _poll(request.Test, 1.0)  # a cancelled request must complete
+                except MPI.Exception:
+                    pass
+        _ORPHANS.extend(w for w in stuck if not w._finished)
+        comms = [self._comm, self._aux]
+        self._comm = self._aux = None
+        for comm in comms:
+            if comm is not None and comm != MPI.COMM_NULL and not MPI.Is_finalized():
+                try:
+                    comm.Free()
+                except MPI.Exception:
+                    pass
+
+
+def _displacements(counts: Sequence[int]) -> list[int]:
+    out, total = [], 0
+    for c in counts:
+        out.append(total)
+        total += c
+    return out
+
+
+# ----------------------------------------------------------------------------- factory
+def create(rendezvous: Rendezvous, timeout: float) -> MpiGroup:
+    """The world group over ``MPI.COMM_WORLD`` (registry name ``mpi``)."""
+    mpi = load_mpi()
+    world = mpi.COMM_WORLD
+    where = _where(rendezvous.rank, rendezvous.world_size, "init_process_group(backend='mpi')")
+    if (world.Get_rank(), world.Get_size()) != (rendezvous.rank, rendezvous.world_size):
+        raise RuntimeError(
+            f"{where}: MPI says this is rank {world.Get_rank()} of {world.Get_size()}, but the "
+            f"launcher's environment says rank {rendezvous.rank} of {rendezvous.world_size}; "
+            f"start the ranks of the mpi backend with mpiexec/mpirun (each rank started "
+            f"another way is an MPI world of one)")
+    dup = world.Idup()
+    if not _poll(dup[1].Test, timeout):
+        raise CollectiveTimeout(f"{where}: not every rank arrived within {timeout:g} s",
+                                op="init")
+    return MpiGroup(dup[0], timeout=timeout, where=where)
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    # Before mpi4py's MPI_Finalize (which runs after the atexit hooks).
+    for group in list(_OPEN_GROUPS):
+        try:
+            group.close()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
