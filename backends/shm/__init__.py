@@ -1,0 +1,57 @@
+"""The ``shm`` backend: collectives through POSIX shared memory between the processes of
+one host. Registered as ``shm`` (``backends.shm:create``); the default backend outside
+MPI launchers.
+
+How it works, module by module:
+
+- ``segment``: one file per group in /dev/shm, found through the job id alone (no
+  sockets). The leader creates it under a temporary name and publishes it with
+  ``os.link``; everyone maps it and marks itself attached; the name is unlinked as soon as
+  all are attached, so nothing is left in /dev/shm even after a SIGKILL.
+- ``futex``: waiting. Spin a few microseconds, ``sched_yield`` for up to 100 us, then
+  sleep in the kernel on this rank's doorbell word (FUTEX_WAIT, in slices of at most
+  200 ms, so deadlines and peer liveness are checked). ``COLLECTIVES_SHM_WAIT=sleep``
+  replaces the futex with sleeps growing to 1 ms.
+- ``ops``: the collectives, a phase protocol over two banks of per-rank slots (no atomics:
+  every shared word has one writer). Messages larger than a slot are chunked, so any size
+  runs in a fixed footprint. Reductions combine inputs in rank order through
+  ``collectives.reduce_op``: bitwise-identical results on every rank.
+- ``channels``: point to point, one byte ring per ordered pair of ranks, MPI-style tag
+  matching with an unexpected-message queue.
+- ``group``: ``ShmGroup`` itself (waits, errors, sub-groups, lifetime).
+
+Shared memory per group of n ranks: 2 x n x S bytes of data banks (S =
+``COLLECTIVES_SHM_CHUNK_BYTES``, default 1 MiB: 8 MiB for 4 ranks, whatever the message
+size) plus n x (n-1) rings of R bytes that point to point touches as it uses them
+(``COLLECTIVES_SHM_RING_BYTES``, default 1 MiB shrinking to 64 KiB as n grows). The file is
+sparse: pages count once written.
+
+Environment: ``COLLECTIVES_SHM_CHUNK_BYTES`` and ``COLLECTIVES_SHM_RING_BYTES`` are read by
+the group's leader (the others follow its header); per process ``COLLECTIVES_SHM_WAIT``
+(``futex``/``sleep``), ``COLLECTIVES_SHM_SPIN_US`` (default 5), ``COLLECTIVES_SHM_YIELD_US``
+(default 100), ``COLLECTIVES_SHM_PID_CHECK`` (``0``: no pid liveness checks).
+
+Limits: one host; the memory-ordering argument is x86-64's (TSO): other architectures
+would need release/acquire fences around each publication. After an error in a
+collective (mismatch, timeout, dead peer) the group is broken: close it.
+"""
+
+from __future__ import annotations
+
+from collectives.launch import Rendezvous
+
+from .group import ShmGroup
+
+__all__ = ["ShmGroup", "create"]
+
+
+def create(rendezvous: Rendezvous, timeout: float) -> ShmGroup:
+    """Connect this rank to the world of ``rendezvous`` through /dev/shm."""
+    size = rendezvous.world_size
+    if size > 1 and rendezvous.local_world_size != size:
+        raise ValueError(
+            f"the shm backend connects the processes of one host, but this world has "
+            f"{size} ranks of which {rendezvous.local_world_size} are local; use a "
+            f"network backend (zmq, mpi, gloo) across hosts")
+    return ShmGroup.open(rendezvous.job_id, "world", rendezvous.rank, size, timeout,
+                         tuple(range(size)))

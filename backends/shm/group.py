@@ -1,0 +1,346 @@
+"""``ShmGroup``: a ProcessGroup whose ranks are processes of one host sharing a segment.
+
+Waiting never burns a core for long: a few microseconds of spinning, ``sched_yield`` for
+up to 100 us, then sleep in the kernel on this rank's doorbell (``futex.Doorbells``), in
+slices of at most 200 ms so that the deadline and the peers' liveness (pid alive and not a
+zombie; their state word: failed or closed) are checked. The yield phase pays for itself
+because a futex wake-up costs tens of microseconds on virtual machines: two ranks that
+both went to sleep would hand each phase over through the kernel. Spinning stays short so
+that 4 ranks on 2 cores still give the CPU to the ranks that have work.
+
+Errors: a wait past ``timeout`` raises CollectiveTimeout (op, sequence number, missing
+ranks); a dead or departed peer raises PeerError naming it within about 0.3 s; after an
+error in a collective this rank marks itself failed in shared memory, so its peers raise
+PeerError at once instead of waiting for their own timeout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from typing import Optional
+
+import numpy as np
+
+from collectives.errors import CollectiveError, CollectiveTimeout, PeerError
+from collectives.group import ProcessGroup
+from collectives.shm_names import segment_name
+from collectives.work import Work
+
+from . import segment as sg
+from .channels import Engine, SendOp
+from .futex import Doorbells, wait_mode
+from .ops import CollectiveOps, dtype_code, dtype_name
+
+#: Bytes per data slot (the staging chunk); a message larger than this is chunked.
+CHUNK_ENV = "COLLECTIVES_SHM_CHUNK_BYTES"
+DEFAULT_CHUNK = 1 << 20
+#: Bytes per point-to-point ring (default scales down with the group size).
+RING_ENV = "COLLECTIVES_SHM_RING_BYTES"
+#: ``0`` turns off the pid liveness checks (peers in another PID namespace).
+PID_CHECK_ENV = sg.PID_CHECK_ENV
+#: Microseconds of pure spinning, then of sched_yield, before sleeping in the kernel.
+SPIN_ENV = "COLLECTIVES_SHM_SPIN_US"
+YIELD_ENV = "COLLECTIVES_SHM_YIELD_US"
+
+_SLICE = 0.2            # longest single sleep: the deadline and liveness are checked after
+_LIVENESS_EVERY = 0.1   # seconds between pid checks of the ranks being waited for
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _layout_from_env(size: int) -> sg.Layout:
+    chunk = _env_int(CHUNK_ENV, DEFAULT_CHUNK)
+    chunk = max(chunk, 1024, 64 * size)
+    chunk = (chunk + 4095) // 4096 * 4096 if chunk >= 4096 else (chunk + 63) // 64 * 64
+    # Each of the n x (n-1) rings is R bytes of sparse memory: shrink R with the size.
+    default_ring = 1 << 20
+    if size > 1:
+        budget = (16 << 20) // (size * (size - 1))
+        default_ring = max(64 << 10, min(1 << 20, 1 << (budget.bit_length() - 1)))
+    ring = _env_int(RING_ENV, default_ring)
+    ring = max(4096, (ring + 4095) // 4096 * 4096)
+    return sg.Layout(size, chunk, ring)
+
+
+class _P2PWork(Work):
+    def __init__(self, group: "ShmGroup", op, what: str, peer: int) -> None:
+        self._group, self._op, self._what, self._peer = group, op, what, peer
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        self._group._p2p_wait(self._op, timeout, self._what, self._peer)
+
+    def is_completed(self) -> bool:
+        op = self._op
+        if not op.done:
+            engine = self._group._engine
+            if engine.lock.acquire(blocking=False):
+                try:
+                    if not engine.closed:
+                        engine.progress_locked(drain=False)
+                finally:
+                    engine.lock.release()
+        return op.done
+
+
+class ShmGroup(CollectiveOps, ProcessGroup):
+    """Ranks of one host communicating through one POSIX shared-memory segment."""
+
+    backend = "shm"
+
+    # ----------------------------------------------------------------- set-up
+    @classmethod
+    def open(cls, job_id: Optional[str], key: str, rank: int, size: int, timeout: float,
+             world_ranks: tuple[int, ...]) -> "ShmGroup":
+        where = f"[rank {rank}/{size}] shm init ({key})"
+        layout = _layout_from_env(size)
+        if size == 1:
+            seg = sg.anonymous_segment(layout)
+            seg.u64[layout.ctrl_word(0, sg.W_PID)] = os.getpid()
+            seg.u64[layout.ctrl_word(0, sg.W_STATE)] = sg.STATE_ATTACHED
+        else:
+            if job_id is None:
+                raise ValueError(
+                    "the shm backend needs a job id shared by the ranks of one job to name "
+                    "its shared memory: set COLLECTIVES_JOB_ID (any string unique on this "
+                    "host), or start the ranks with collectives.spawn, torchrun or mpirun")
+            name = segment_name(job_id, key)
+            seg = sg.open_group_segment(name, rank, size, layout, timeout, where)
+        return cls(seg, rank, size, timeout, job_id, key, world_ranks)
+
+    def __init__(self, seg: sg.Segment, rank: int, size: int, timeout: float,
+                 job_id: Optional[str], key: str, world_ranks: tuple[int, ...]) -> None:
+        super().__init__(rank, size, timeout=timeout)
+        self._seg = seg
+        self._job_id = job_id
+        self._key = key
+        self._world_ranks = world_ranks
+        lay = seg.layout
+        self._layout = lay
+        self._u64 = seg.u64
+        self._all = list(range(size))
+        self._peers = [r for r in range(size) if r != rank]
+        self._arrived_idx = [lay.ctrl_word(r, sg.W_ARRIVED) for r in range(size)]
+        self._me_arrived = self._arrived_idx[rank]
+        self._fp_idx = [[lay.ctrl_word(r, sg.W_FP + 2 * p) for r in range(size)]
+                        for p in (0, 1)]
+        self._state_idx = [lay.ctrl_word(r, sg.W_STATE) for r in range(size)]
+        self._pids = [seg.u64[lay.ctrl_word(r, sg.W_PID)] for r in range(size)]
+        self._pid_checkable = [
+            r != rank and sg.same_pid_namespace(seg.u64[lay.ctrl_word(r, sg.W_PIDNS)])
+            for r in range(size)]
+        self._bells = Doorbells(seg.u32, seg.u64, seg.base_addr,
+                                [lay.bell_byte(r) for r in range(size)],
+                                [lay.ctrl_word(r, sg.W_SLEEPERS) for r in range(size)],
+                                rank, wait_mode())
+        self._engine = Engine(seg, rank, size, self._bells.ring, self._where, dtype_name)
+        self._spin_s = _env_int(SPIN_ENV, 5) * 1e-6
+        self._yield_s = _env_int(YIELD_ENV, 100) * 1e-6
+        self._phase = int(seg.u64[self._me_arrived])
+        self._S = lay.chunk
+        self._slots = [[seg.bytes[lay.slot_off(b, r):lay.slot_off(b, r) + lay.chunk]
+                        for r in range(size)] for b in (0, 1)]
+        self._typed: dict = {}
+        self._broken: Optional[BaseException] = None
+        self._op_name = ""
+        self._op_seq = -1
+        self._fp0 = self._fp1 = 0
+        self._close_lock = threading.Lock()
+        self._owner_pid = os.getpid()   # a forked child must not speak for this rank
+
+    @property
+    def wait_mode(self) -> str:
+        """``futex`` or ``sleep``: how this group's waits block."""
+        return self._bells.mode
+
+    @property
+    def footprint_bytes(self) -> int:
+        """Size of the shared mapping (sparse: pages count once they are written)."""
+        return self._layout.total
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self._S
+
+    # ------------------------------------------------------------------ waits
+    def _check_peer(self, r: int, what: str, seq: int, *, fatal_states=(sg.STATE_FAILED,
+                                                                           sg.STATE_CLOSED),
+                    check_pid: bool) -> None:
+        state = self._u64[self._state_idx[r]] if self._u64 is not None else sg.STATE_CLOSED
+        where = self._where(what) + (f" (seq {seq})" if seq >= 0 else "")
+        if state in fatal_states:
+            how = "closed the group" if state == sg.STATE_CLOSED else \
+                "failed in a collective (see its own error)"
+            raise PeerError(f"{where}: rank {r} {how}", peer=r)
+        if check_pid and self._pid_checkable[r] and not sg.pid_alive(self._pids[r]):
+            raise PeerError(f"{where}: rank {r} (pid {self._pids[r]}) died", peer=r)
+
+    def _backoff(self, stage: list, deadline: float, expected_bell: int) -> None:
+        """One step of waiting: spin, then yield, then sleep in the kernel.
+
+        ``stage`` is the caller's [start, last_liveness_check, sleep_s] state."""
+        now = time.perf_counter()
+        elapsed = now - stage[0]
+        if elapsed < self._spin_s:
+            return
+        if elapsed < self._spin_s + self._yield_s:
+            os.sched_yield()
+            return
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return
+        if self._bells.mode == "futex":
+            self._bells.sleep(expected_bell, min(_SLICE, remaining))
+        else:
+            time.sleep(min(stage[2], remaining))
+            stage[2] = min(stage[2] * 2, 1e-3)
+
+    def _await_all(self, q: int) -> None:
+        """Return once every rank published phase ``q``."""
+        u64 = self._u64
+        for i in self._arrived_idx:
+            if u64[i] < q:
+                break
+        else:
+            return
+        self._await_slow(q)
+
+    def _await_slow(self, q: int) -> None:
+        u64, idx, bells, engine = self._u64, self._arrived_idx, self._bells, self._engine
+        deadline = time.monotonic() + self.timeout
+        start = time.perf_counter()
+        stage = [start, start, 5e-5]
+        while True:
+            bell = bells.current()
+            missing = [r for r in self._all if u64[idx[r]] < q]
+            if not missing:
+                return
+            if engine.pending and engine.lock.acquire(blocking=False):
+                moved = False
+                try:  # keep this rank's own sends and receives moving meanwhile
+                    if not engine.closed:
+                        moved = engine.progress_locked(drain=False)
+                finally:
+                    engine.lock.release()
+                if moved and bells.local_sleepers():
+                    bells.ring([self.rank])  # a thread of ours may wait for that
+            now = time.perf_counter()
+            if now - start > self._spin_s:
+                check_pid = now - stage[1] > _LIVENESS_EVERY
+                if check_pid:
+                    stage[1] = now
+                for r in missing:
+                    if u64[idx[r]] < q:
+                        self._check_peer(r, self._op_name, self._op_seq, check_pid=check_pid)
+                if time.monotonic() >= deadline:
+                    missing = [r for r in self._all if u64[idx[r]] < q]
+                    if missing:
+                        raise CollectiveTimeout(
+                            f"{self._where(self._op_name)} (seq {self._op_seq}): timed out "
+                            f"after {self.timeout:g} s waiting for ranks {missing} "
+                            f"(phase {q}); they did not arrive",
+                            op=self._op_name, seq=self._op_seq, missing=missing)
+            self._backoff(stage, deadline, bell)
+
+    def _p2p_wait(self, op, timeout: Optional[float], what: str, peer: int) -> None:
+        engine, bells = self._engine, self._bells
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        start = time.perf_counter()
+        stage = [start, start, 5e-5]
+        while not op.done:
+            bell = bells.current()
+            moved = False
+            with engine.lock:
+                if not op.done and not engine.closed:
+                    moved = engine.progress_locked(drain=False)
+                    if not op.done and not moved:
+                        moved = engine.progress_locked(drain=True)
+            if moved and bells.local_sleepers():
+                bells.ring([self.rank])  # another thread of ours may wait for this
+            if op.done:
+                break
+            if engine.closed:
+                raise CollectiveError(f"{self._where(what)}: the group was closed")
+            if moved:
+                stage[0] = time.perf_counter()
+                continue
+            now = time.perf_counter()
+            if now - start > self._spin_s and peer != self.rank:
+                check_pid = now - stage[1] > _LIVENESS_EVERY
+                if check_pid:
+                    stage[1] = now
+                self._check_peer(peer, what, -1, fatal_states=(sg.STATE_CLOSED,),
+                                 check_pid=check_pid)
+                if time.monotonic() >= deadline:
+                    raise CollectiveTimeout(
+                        f"{self._where(what)}: timed out after {limit:g} s; rank {peer} "
+                        f"did not {'receive' if isinstance(op, SendOp) else 'send'} it",
+                        op=what, missing=[peer])
+            self._backoff(stage, deadline, bell)
+        if op.error is not None:
+            raise op.error
+
+    # --------------------------------------------------------- point to point
+    def _isend(self, array: np.ndarray, dst: int, tag: int) -> Work:
+        op = self._engine.post_send(array, dst, tag, dtype_code(array.dtype))
+        return _P2PWork(self, op, f"send to rank {dst} (tag {tag})", dst)
+
+    def _irecv(self, array: np.ndarray, src: int, tag: int) -> Work:
+        op = self._engine.post_recv(array, src, tag, dtype_code(array.dtype))
+        return _P2PWork(self, op, f"recv from rank {src} (tag {tag})", src)
+
+    # -------------------------------------------------------------- sub-groups
+    def _new_group(self, ranks: tuple[int, ...], instance: int) -> ProcessGroup:
+        world = tuple(self._world_ranks[r] for r in ranks)
+        key = f"{self._key}.g{'-'.join(map(str, world))}i{instance}"
+        if len(key) > 120:
+            key = "h" + hashlib.sha256(key.encode()).hexdigest()[:32]
+        return ShmGroup.open(self._job_id, key, ranks.index(self.rank), len(ranks),
+                             self.timeout, world)
+
+    # ---------------------------------------------------------------- lifetime
+    def _mark(self, state: int) -> None:
+        u64 = self._u64
+        if u64 is None or os.getpid() != self._owner_pid:
+            return
+        idx = self._state_idx[self.rank]
+        if u64[idx] == sg.STATE_ATTACHED or state == sg.STATE_FAILED:
+            u64[idx] = state
+        self._bells.ring(self._peers)
+
+    def _close(self) -> None:
+        with self._close_lock:
+            seg = self._seg
+            if seg is None:
+                return
+            self._seg = None
+            try:
+                self._mark(sg.STATE_CLOSED)
+            except Exception:  # noqa: BLE001 - closing must not fail
+                pass
+            self._engine.close()
+            self._typed.clear()
+            self._slots = []
+            self._u64 = None
+            seg.close()
+
+    def __del__(self) -> None:
+        # Collected without close(): tell the peers (best effort), never raise. Not in a
+        # forked child, whose copy of the group must not close its parent's rank.
+        try:
+            if getattr(self, "_seg", None) is not None and getattr(self, "_u64", None) \
+                    is not None and os.getpid() == self._owner_pid:
+                self._u64[self._state_idx[self.rank]] = sg.STATE_CLOSED
+        except Exception:  # noqa: BLE001
+            pass
