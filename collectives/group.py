@@ -109,6 +109,13 @@ class ProcessGroup(abc.ABC):
         from .subgroup import SubGroup
         return SubGroup(self, ranks, instance)
 
+    def _to_host(self, obj: Any, *, where: str, arg: str, write: bool) -> HostBuffer:
+        """The memory the collective hooks run on for argument ``arg`` (see
+        :func:`collectives.buffers.to_host`, the default: host arrays). A backend whose
+        library takes tensors or device memory (torch's gloo, NCCL) overrides it to hand
+        its own hooks those instead."""
+        return to_host(obj, where=where, arg=arg, write=write)
+
     # ------------------------------------------------------- collective hooks (host arrays)
     def _links(self, seq: int) -> "algorithms.Links":
         return algorithms.Links(self, seq)
@@ -230,7 +237,7 @@ class ProcessGroup(abc.ABC):
         self._check_tensor(tensor, "tensor", w)
         dst = self._check_rank(dst, "dst", w, allow_self=False)
         tag = self._check_tag(tag, w)
-        buf = to_host(tensor, where=w, arg="tensor", write=False)
+        buf = self._to_host(tensor, where=w, arg="tensor", write=False)
         return self._isend(buf.array, dst, tag)
 
     def irecv(self, tensor: Tensor, src: int, tag: int = 0) -> Work:
@@ -242,7 +249,7 @@ class ProcessGroup(abc.ABC):
         self._check_tensor(tensor, "tensor", w)
         src = self._check_rank(src, "src", w, allow_self=False)
         tag = self._check_tag(tag, w)
-        buf = to_host(tensor, where=w, arg="tensor", write=True)
+        buf = self._to_host(tensor, where=w, arg="tensor", write=True)
         inner = self._irecv(buf.array, src, tag)
         if buf.writeback is None:
             return inner
@@ -274,7 +281,7 @@ class ProcessGroup(abc.ABC):
         w = self._where("broadcast")
         self._check_tensor(tensor, "tensor", w)
         src = self._check_rank(src, "src", w)
-        buf = to_host(tensor, where=w, arg="tensor", write=self.rank != src)
+        buf = self._to_host(tensor, where=w, arg="tensor", write=self.rank != src)
         seq = self._next_seq("broadcast")
         return self._run("broadcast", seq, lambda: self._broadcast(buf.array, src, seq),
                          [buf], async_op)
@@ -289,7 +296,7 @@ class ProcessGroup(abc.ABC):
         w = self._where("all_reduce")
         self._check_tensor(tensor, "tensor", w)
         op = check_reducible(op, host_dtype(tensor), w)
-        buf = to_host(tensor, where=w, arg="tensor", write=True)
+        buf = self._to_host(tensor, where=w, arg="tensor", write=True)
         seq = self._next_seq("all_reduce")
         return self._run("all_reduce", seq, lambda: self._all_reduce(buf.array, op, seq),
                          [buf], async_op)
@@ -306,7 +313,7 @@ class ProcessGroup(abc.ABC):
         self._check_tensor(tensor, "tensor", w)
         dst = self._check_rank(dst, "dst", w)
         op = check_reducible(op, host_dtype(tensor), w)
-        buf = to_host(tensor, where=w, arg="tensor", write=self.rank == dst)
+        buf = self._to_host(tensor, where=w, arg="tensor", write=self.rank == dst)
         seq = self._next_seq("reduce")
         return self._run("reduce", seq, lambda: self._reduce(buf.array, dst, op, seq),
                          [buf], async_op)
@@ -323,8 +330,8 @@ class ProcessGroup(abc.ABC):
         self._check_tensor(input, "input", w)
         self._check_same_dtype(output, input, ("output", "input"), w)
         self._check_multiple(output, input, ("output", "input"), w)
-        out = to_host(output, where=w, arg="output", write=True)
-        inp = to_host(input, where=w, arg="input", write=False)
+        out = self._to_host(output, where=w, arg="output", write=True)
+        inp = self._to_host(input, where=w, arg="input", write=False)
         seq = self._next_seq("all_gather")
         return self._run("all_gather", seq,
                          lambda: self._all_gather(out.array.reshape(-1),
@@ -342,7 +349,7 @@ class ProcessGroup(abc.ABC):
         w = self._where("gather")
         self._check_tensor(input, "input", w)
         dst = self._check_rank(dst, "dst", w)
-        inp = to_host(input, where=w, arg="input", write=False)
+        inp = self._to_host(input, where=w, arg="input", write=False)
         out = None
         if self.rank == dst:
             if output is None:
@@ -351,7 +358,7 @@ class ProcessGroup(abc.ABC):
             self._check_tensor(output, "output", w)
             self._check_same_dtype(output, input, ("output", "input"), w)
             self._check_multiple(output, input, ("output", "input"), w)
-            out = to_host(output, where=w, arg="output", write=True)
+            out = self._to_host(output, where=w, arg="output", write=True)
         seq = self._next_seq("gather")
         return self._run("gather", seq,
                          lambda: self._gather(inp.array.reshape(-1),
@@ -377,8 +384,8 @@ class ProcessGroup(abc.ABC):
             self._check_tensor(input, "input", w)
             self._check_same_dtype(output, input, ("output", "input"), w)
             self._check_multiple(input, output, ("input", "output"), w)
-            inp = to_host(input, where=w, arg="input", write=False)
-        out = to_host(output, where=w, arg="output", write=True)
+            inp = self._to_host(input, where=w, arg="input", write=False)
+        out = self._to_host(output, where=w, arg="output", write=True)
         seq = self._next_seq("scatter")
         return self._run("scatter", seq,
                          lambda: self._scatter(out.array.reshape(-1),
@@ -399,8 +406,8 @@ class ProcessGroup(abc.ABC):
         self._check_same_dtype(output, input, ("output", "input"), w)
         op = check_reducible(op, host_dtype(input), w)
         self._check_multiple(input, output, ("input", "output"), w)
-        out = to_host(output, where=w, arg="output", write=True)
-        inp = to_host(input, where=w, arg="input", write=False)
+        out = self._to_host(output, where=w, arg="output", write=True)
+        inp = self._to_host(input, where=w, arg="input", write=False)
         seq = self._next_seq("reduce_scatter")
         return self._run("reduce_scatter", seq,
                          lambda: self._reduce_scatter(out.array.reshape(-1),
@@ -423,8 +430,8 @@ class ProcessGroup(abc.ABC):
         self._check_same_dtype(output, input, ("output", "input"), w)
         out_counts = self._split_counts(output, output_split_sizes, "output", w)
         in_counts = self._split_counts(input, input_split_sizes, "input", w)
-        out = to_host(output, where=w, arg="output", write=True)
-        inp = to_host(input, where=w, arg="input", write=False)
+        out = self._to_host(output, where=w, arg="output", write=True)
+        inp = self._to_host(input, where=w, arg="input", write=False)
         seq = self._next_seq("all_to_all")
         return self._run("all_to_all", seq,
                          lambda: self._all_to_all(out.array.reshape(-1), inp.array.reshape(-1),
