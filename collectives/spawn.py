@@ -125,6 +125,7 @@ def spawn(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
         "COLLECTIVES_JOB_ID": job_id, "COLLECTIVES_SPAWNED": "1",
     }
+    base_env["COLLECTIVES_SECRET"] = secrets.token_hex(32)  # authenticates network backends
     if backend is not None:
         base_env["COLLECTIVES_BACKEND"] = backend
     if timeout is not None:

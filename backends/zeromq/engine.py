@@ -1,0 +1,840 @@
+"""The transport under every zmq group of a process: message matching, progress,
+liveness and shutdown (start-up and authentication: :mod:`backends.zeromq.connect`).
+
+Sockets (per rank)
+    one ROUTER, bound on ``tcp://<routed address>:<ephemeral>`` and
+    ``ipc://<private dir>/r<rank>``: every message *to* this rank arrives here; one
+    DEALER per peer, connected to that peer's ROUTER: every message *from* this rank leaves
+    through it (each pair of ranks thus has two connections, one per direction). Rank 0
+    also binds a ROUTER at ``MASTER_ADDR:MASTER_PORT`` for the start-up only.
+
+Threads
+    none of our own. libzmq's I/O thread moves bytes; progress (reading the ROUTER,
+    matching, copying into the destination array) is made by whichever thread waits, under
+    a *progress token*: one waiter polls the ROUTER and its monitor, the others sleep on a
+    condition variable and are woken when the poller completes their request. Sends are
+    made by the calling thread, through the peer's DEALER under a per-peer lock. An
+    ``async_op`` collective runs on the group's executor thread (the base class), which
+    is just one more waiter.
+
+Liveness
+    ZMTP heartbeats (``ZMQ_HEARTBEAT_IVL``/``TIMEOUT``) on every connection close a
+    connection whose peer went silent; a dead process closes its connections at once. A
+    monitor on the ROUTER reports each closed inbound connection by file descriptor, mapped
+    to the rank that authenticated on it (``ZMQ_SRCFD`` of its proof), so a rank waiting
+    for a dead peer raises PeerError after draining what that peer had sent.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import struct
+import threading
+import time
+from typing import Any, Mapping, Optional
+
+import numpy as np
+import zmq
+
+from collectives.errors import (CollectiveError, CollectiveMismatch, CollectiveTimeout,
+                                PeerError)
+from collectives.work import Work
+
+from . import wire
+from .addresses import IpcDir
+from .wire import Kind
+
+from .connect import (LOST_GRACE_S, SLICE_S, ZERO_COPY_MIN, Connector, _Inbound, _live_engines,
+                      _maybe_stop_gc, _EVENTS, _NOBLOCK, _POLLIN, _RCVMORE, _SNDMORE)
+
+
+_HAS_RECV_INTO = hasattr(zmq.Socket, "recv_into")
+
+
+class Call:
+    """One operation as the engine sees it: group, name, sequence number, signature,
+    deadline, and how to name ranks in its errors."""
+
+    __slots__ = ("gid", "members", "rank", "size", "op", "seq", "meta", "dtype", "deadline",
+                 "timeout", "where", "collective")
+
+    def __init__(self, gid: int, members: tuple, rank: int, op: str, seq: int,
+                 meta: wire.Meta, dtype: int, timeout: float, where: str,
+                 collective: bool) -> None:
+        self.gid, self.members, self.rank, self.size = gid, members, rank, len(members)
+        self.op, self.seq, self.meta, self.dtype = op, seq, meta, dtype
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout if collective else None
+        self.where, self.collective = where, collective
+
+    def group_rank(self, world: int) -> int:
+        try:
+            return self.members.index(world)
+        except ValueError:
+            return -1
+
+    def peer(self, world: int) -> str:
+        r = self.group_rank(world)
+        if self.gid == 0 or r == world:
+            return f"rank {r}"
+        return f"rank {r} (world rank {world})"
+
+
+class _Recv:
+    __slots__ = ("call", "src", "tag", "view", "done", "error", "key", "count", "dtype",
+                 "shape")
+
+    def __init__(self, call: Call, src: int, tag: int, array: np.ndarray) -> None:
+        self.call, self.src, self.tag = call, src, tag
+        self.count, self.dtype, self.shape = array.size, wire.dtype_code(array.dtype), array.shape
+        self.view = array.reshape(-1).view(np.uint8)
+        self.done = False
+        self.error: Optional[BaseException] = None
+        self.key = (src, call.gid, tag)
+
+
+class _Msg:
+    __slots__ = ("header", "buf")
+
+    def __init__(self, header: wire.Header, buf: np.ndarray) -> None:
+        self.header, self.buf = header, buf
+
+
+class _Partial:
+    """A tensor whose first parts arrived: into a posted receive, or a buffer."""
+
+    __slots__ = ("req", "msg", "header", "next")
+
+    def __init__(self, req: Optional["_Recv"], msg: Optional["_Msg"], header: wire.Header) -> None:
+        self.req, self.msg, self.header = req, msg, header
+        self.next = wire.part_size(header.nbytes, 0)
+
+
+class _GroupState:
+    __slots__ = ("gid", "members", "active_seq", "active_sig", "done_seq", "failed_upto",
+                 "error", "seen", "posted_from")
+
+    def __init__(self, gid: int, members: tuple) -> None:
+        self.gid, self.members = gid, members
+        self.active_seq = -1
+        self.active_sig: Optional[tuple] = None
+        self.done_seq = -1
+        self.failed_upto = -1
+        self.error: Optional[str] = None
+        self.seen: dict[int, wire.Header] = {}         # src -> its message of highest seq
+        self.posted_from: dict[int, set] = {}          # src -> posted collective _Recvs
+
+
+class _RecvWork(Work):
+    __slots__ = ("_engine", "_req")
+
+    def __init__(self, engine: "Engine", req: _Recv) -> None:
+        self._engine, self._req = engine, req
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        self._engine.wait_recv(self._req, timeout)
+
+    def is_completed(self) -> bool:
+        return self._engine.test_recv(self._req)
+
+
+class _SendWork(Work):
+    __slots__ = ("_engine", "_call", "_dst", "_tracker")
+
+    def __init__(self, engine: "Engine", call: Call, dst: int, tracker: Any) -> None:
+        self._engine, self._call, self._dst, self._tracker = engine, call, dst, tracker
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        if self._tracker is not None:
+            self._engine.wait_send(self._tracker, self._call, self._dst, timeout)
+            self._tracker = None
+
+    def is_completed(self) -> bool:
+        return self._tracker is None or self._tracker.done
+
+
+class Engine(Connector):
+    """All sockets of one world, shared by its sub-groups."""
+
+    def __init__(self, rendezvous: Any, timeout: float, env: Optional[Mapping[str, str]] = None) -> None:
+        env = os.environ if env is None else env
+        self.rank, self.size = rendezvous.rank, rendezvous.world_size
+        self.timeout = timeout
+        self._where0 = f"[rank {self.rank}/{self.size}] zmq"
+        self.stats = {"rejected": 0, "bad_proofs": 0, "refused": 0, "unexpected": 0}
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._token = False
+        self._closed = False
+        self._posted: dict[tuple, collections.deque] = {}
+        self._unexpected: dict[tuple, collections.deque] = {}
+        self._partial: dict[tuple, _Partial] = {}
+        self._groups: dict[int, _GroupState] = {}
+        self._early_aborts: dict[int, tuple[int, str]] = {}
+        self._down: dict[int, str] = {}
+        self._lost: dict[int, float] = {}
+        self._fd_rank: dict[int, int] = {}
+        self._dealers: list[Optional[zmq.Socket]] = [None] * self.size
+        self._dealer_locks = [threading.Lock() for _ in range(self.size)]
+        self._ctx: Optional[zmq.Context] = None
+        self._router: Optional[zmq.Socket] = None
+        self._monitor: Optional[zmq.Socket] = None
+        self._inbound: Optional[_Inbound] = None
+        self._ipc: Optional[IpcDir] = None
+        self.endpoints: dict[str, str] = {}
+        self.connections: dict[int, str] = {}
+        self.mode = "local"
+        self._key: Optional[bytes] = None
+        self.table: list[dict] = []
+        if self.size > 1:
+            try:
+                self._start(rendezvous, env)
+            except BaseException:
+                self._teardown(linger_ms=0)
+                raise
+        _live_engines.add(self)
+
+    # ======================================================================= dispatch
+    def _on_router_message(self, inb: _Inbound, rid: bytes) -> None:
+        sock = inb.sock
+        if not sock.get(_RCVMORE):
+            self.stats["rejected"] += 1
+            return
+        frame = sock.recv(_NOBLOCK, copy=False)
+        h = wire.parse(frame.bytes)
+        if h is None:
+            self._reject(sock)
+            return
+        peer = inb.rid_rank.get(rid)
+        if peer is None:
+            if h.kind == Kind.HELLO:
+                self._on_hello(inb, rid, h)
+            elif h.kind == Kind.PROOF:
+                self._on_proof(inb, rid, h, frame)
+            else:
+                self._reject(sock)
+            return
+        if h.src != peer or h.dst != self.rank or inb is not self._inbound:
+            self._reject(sock)
+            return
+        if h.kind == Kind.DATA:
+            self._on_data(peer, h)
+        elif h.kind == Kind.ABORT:
+            text = sock.recv(zmq.NOBLOCK).decode("utf-8", "replace") if sock.getsockopt(zmq.RCVMORE) else ""
+            self._discard(sock)
+            with self._lock:
+                gs = self._groups.get(h.gid)
+                if gs is not None:
+                    self._fail_group(gs, f"rank {_group_rank(gs, peer)} reported: {text}",
+                                     forward=False)
+                elif len(self._early_aborts) < 1024:  # a group this rank has yet to create
+                    self._early_aborts[h.gid] = (peer, text)
+        elif h.kind == Kind.BYE:
+            self._discard(sock)
+            with self._lock:
+                self._mark_down(peer, "closed its process group")
+        else:
+            self._reject(sock)
+
+    # ======================================================================== groups
+    def register_group(self, gid: int, members: tuple) -> None:
+        with self._lock:
+            gs = self._groups.get(gid)
+            if gs is None:
+                gs = self._groups[gid] = _GroupState(gid, members)
+                early = self._early_aborts.pop(gid, None)
+                if early is not None:  # a member failed in it before this rank created it
+                    gs.error = f"rank {_group_rank(gs, early[0])} reported: {early[1]}"
+                for key, q in self._unexpected.items():  # what members sent before that
+                    if key[1] == gid:
+                        for msg in q:
+                            seen = gs.seen.get(key[0])
+                            if msg.header.seq != wire.NO_SEQ and (seen is None or
+                                                                  msg.header.seq > seen.seq):
+                                gs.seen[key[0]] = msg.header
+
+    def unregister_group(self, gid: int) -> None:
+        with self._lock:
+            self._groups.pop(gid, None)
+            for table in (self._unexpected, self._posted, self._partial):
+                for key in [k for k in table if k[1] == gid]:
+                    del table[key]
+
+    def begin(self, call: Call, sig: tuple) -> None:
+        """A collective starts on this rank: check what its peers already sent."""
+        with self._lock:
+            self._check_open(call)
+            gs = self._groups[call.gid]
+            if gs.error:
+                raise CollectiveMismatch(f"{call.where}: the group is unusable after an "
+                                         f"earlier error: {gs.error}")
+            gs.active_seq, gs.active_sig = call.seq, sig
+            for key, q in self._unexpected.items():
+                if key[1] != call.gid:
+                    continue
+                for msg in q:
+                    if msg.header.seq == wire.NO_SEQ:  # point to point
+                        continue
+                    problem = self._check_sequence(gs, key[0], msg.header)
+                    if problem:
+                        self._fail_group(gs, problem, forward=True)
+                        raise CollectiveMismatch(f"{call.where}: {problem}")
+
+    def end(self, call: Call, ok: bool) -> None:
+        with self._lock:
+            gs = self._groups.get(call.gid)
+            if gs is None:
+                return
+            gs.done_seq = max(gs.done_seq, call.seq)
+            gs.active_seq, gs.active_sig = -1, None
+            if not ok:
+                gs.failed_upto = max(gs.failed_upto, call.seq)
+                for key in [k for k, p in self._partial.items()
+                            if p.req is not None and p.req.call is call]:
+                    del self._partial[key]
+                for key in list(self._posted):
+                    q = self._posted[key]
+                    kept = collections.deque(r for r in q if r.call is not call)
+                    for r in q:
+                        if r.call is call:
+                            self._unindex(r)
+                    if kept:
+                        self._posted[key] = kept
+                    else:
+                        del self._posted[key]
+
+    def _check_sequence(self, gs: _GroupState, src: int, h: wire.Header) -> Optional[str]:
+        """Why a collective message from ``src`` cannot belong to a call this rank makes
+        (None when it can)."""
+        if h.seq <= gs.done_seq and h.seq > gs.failed_upto:
+            return (f"rank {_group_rank(gs, src)} sent {_describe_header(h)}, a collective this "
+                    f"rank already finished without that message: the ranks called it with "
+                    f"different sizes, roots or dtypes")
+        if h.seq == gs.active_seq and gs.active_sig is not None and \
+                _sig_differs(_signature(h), gs.active_sig):
+            return (f"rank {_group_rank(gs, src)} called {_describe_header(h)} but this rank "
+                    f"called {_describe_sig(gs.active_seq, gs.active_sig)}")
+        return None
+
+    # ================================================================== point to point
+    def _check_open(self, call: Call) -> None:
+        if self._closed:
+            raise CollectiveError(f"{call.where}: the group is closed")
+
+    def isend(self, call: Call, dst: int, tag: int, array: np.ndarray) -> Work:
+        self._check_open(call)
+        gs = self._groups.get(call.gid)
+        if gs is not None and gs.error:
+            raise CollectiveMismatch(f"{call.where}: the group is unusable after an earlier "
+                                     f"error: {gs.error}")
+        why = self._down.get(dst)
+        if why is not None:
+            raise PeerError(f"{call.where}: cannot send to {call.peer(dst)}: it {why}", peer=dst)
+        header = wire.pack(Kind.DATA, self.rank, dst, meta=call.meta, gid=call.gid, tag=tag,
+                           array=array)
+        flat = array.reshape(-1).view(np.uint8) if array.size else None
+        frames = []
+        with self._dealer_locks[dst]:  # the parts of one message never interleave with others
+            sock = self._dealers[dst]
+            if sock is None:
+                raise CollectiveError(f"{call.where}: the group is closed")
+            try:
+                if flat is None:
+                    sock.send(header, _NOBLOCK)
+                else:
+                    for off in range(0, flat.size, wire.FRAME_MAX):
+                        chunk = flat[off:off + wire.FRAME_MAX]
+                        sock.send(wire.with_offset(header, off) if off else header,
+                                  _NOBLOCK | _SNDMORE)
+                        if chunk.size >= ZERO_COPY_MIN:
+                            f = zmq.Frame(chunk, track=True, copy=False)
+                            sock.send(f, 0, copy=False)
+                            frames.append(f)
+                        else:
+                            sock.send(chunk, 0, copy=True)
+            except zmq.Again:
+                raise PeerError(f"{call.where}: {call.peer(dst)} is unreachable (its "
+                                f"connection closed)", peer=dst) from None
+        tracker = zmq.MessageTracker(*frames) if frames else None
+        return _SendWork(self, call, dst, tracker)
+
+    def irecv(self, call: Call, src: int, tag: int, array: np.ndarray) -> Work:
+        req = _Recv(call, src, tag, array)
+        collective = call.collective  # a collective of ours (sequence numbers are checked)
+        with self._lock:
+            self._check_open(call)
+            gs = self._groups.get(call.gid)
+            if gs is not None and gs.error:
+                raise CollectiveMismatch(f"{call.where}: the group is unusable after an "
+                                         f"earlier error: {gs.error}")
+            q = self._unexpected.get(req.key)
+            if q:
+                msg = q.popleft()
+                if not q:
+                    del self._unexpected[req.key]
+                problem = self._compare(req, msg.header)
+                if problem:
+                    self._mismatch(req, problem)
+                    raise req.error
+                if msg.buf.size:
+                    req.view[...] = msg.buf
+                req.done = True
+                return _RecvWork(self, req)
+            if collective and gs is not None:
+                seen = gs.seen.get(src)
+                if seen is not None and seen.seq > call.seq:
+                    self._mismatch(req, self._ahead_text(req, _describe_header(seen)))
+                    raise req.error
+            why = self._down.get(src)
+            if why is not None:
+                raise PeerError(f"{call.where}: {call.peer(src)} {why} before sending the "
+                                f"message this rank waits for", peer=src)
+            self._posted.setdefault(req.key, collections.deque()).append(req)
+            if collective and gs is not None:
+                gs.posted_from.setdefault(src, set()).add(req)
+        return _RecvWork(self, req)
+
+    def _unindex(self, req: _Recv) -> None:
+        if req.call.collective:
+            gs = self._groups.get(req.call.gid)
+            if gs is not None:
+                s = gs.posted_from.get(req.src)
+                if s is not None:
+                    s.discard(req)
+
+    def _ahead_text(self, req: _Recv, theirs: str) -> str:
+        c = req.call
+        return (f"{c.peer(req.src)} is already in {theirs} while this rank still expects its "
+                f"message of {_describe_meta(c.meta, c.dtype, c.op)}: the ranks called "
+                f"different collectives, or with different sizes or roots")
+
+    def _compare(self, req: _Recv, h: wire.Header) -> Optional[str]:
+        c = req.call
+        m = c.meta
+        same = (h.op == m.op and h.seq == m.seq and h.dtype == req.dtype and
+                h.nbytes == req.view.nbytes and h.count == req.count and
+                not _sig_differs(_signature(h), (m.op, req.dtype, m.sig_count, m.root, m.redop)))
+        if same:
+            return None
+        theirs = wire.describe(h.op, h.seq, h.dtype, h.count, h.shape, h.sig_count, h.root,
+                               h.redop)
+        mine = wire.describe(m.op, m.seq, req.dtype, req.count, req.shape, m.sig_count, m.root,
+                             m.redop)
+        what = "called" if c.collective else "sent"
+        return (f"{c.peer(req.src)} {what} {theirs} but this rank "
+                f"{'called' if c.collective else 'receives'} {mine}"
+                + ("" if c.collective else f" (tag {req.tag})"))
+
+    def _mismatch(self, req: _Recv, problem: str) -> None:
+        """Fail ``req`` (lock held); a collective's group is failed everywhere."""
+        c = req.call
+        req.error = CollectiveMismatch(f"{c.where}: {problem}")
+        if c.collective:
+            gs = self._groups.get(c.gid)
+            if gs is not None:
+                self._fail_group(gs, problem, forward=True)
+
+    def _fail_group(self, gs: _GroupState, problem: str, forward: bool) -> None:
+        """Lock held: the group's calls fail with CollectiveMismatch from now on; with
+        ``forward``, tell the other members (they fail too instead of waiting)."""
+        if gs.error:
+            return
+        gs.error = problem
+        for key in [k for k in self._partial if k[1] == gs.gid]:
+            r = self._partial.pop(key).req
+            if r is not None and r.error is None and not r.done:
+                r.error = CollectiveMismatch(f"{r.call.where}: {problem}")
+        for key in [k for k in self._posted if k[1] == gs.gid]:
+            for r in self._posted.pop(key):
+                if r.error is None and not r.done:
+                    r.error = CollectiveMismatch(f"{r.call.where}: {problem}")
+        gs.posted_from.clear()
+        self._cond.notify_all()
+        if forward:
+            me = _group_rank(gs, self.rank)
+            text = f"rank {me} detected: {problem}".encode()[:4000]
+            for p in gs.members:
+                if p == self.rank or p in self._down:
+                    continue
+                with self._dealer_locks[p]:
+                    sock = self._dealers[p]
+                    if sock is None:
+                        continue
+                    try:
+                        sock.send_multipart([wire.pack(Kind.ABORT, self.rank, p, gid=gs.gid,
+                                                       meta=wire.Meta(0, max(gs.active_seq, 0))),
+                                             text], zmq.NOBLOCK)
+                    except zmq.ZMQError:
+                        pass
+
+    def _mark_down(self, peer: int, why: str) -> None:
+        """Lock held: ``peer`` is gone; fail every receive waiting for it."""
+        if peer in self._down:
+            return
+        self._down[peer] = why
+        for key in [k for k in self._partial if k[0] == peer]:
+            r = self._partial.pop(key).req
+            if r is not None and r.error is None and not r.done:
+                r.error = PeerError(f"{r.call.where}: {r.call.peer(peer)} {why} in the middle "
+                                    f"of a message", peer=peer)
+        for key in [k for k in self._posted if k[0] == peer]:
+            for r in self._posted.pop(key):
+                self._unindex(r)
+                if r.error is None and not r.done:
+                    r.error = PeerError(f"{r.call.where}: {r.call.peer(peer)} {why} before "
+                                        f"sending the message this rank waits for", peer=peer)
+        self._cond.notify_all()
+
+    # ======================================================================= progress
+    def _on_data(self, src: int, h: wire.Header) -> None:
+        """A DATA message (one part of a tensor) from authenticated ``src``; its payload
+        frame is still unread."""
+        key = (src, h.gid, h.tag)
+        with self._lock:
+            if h.offset:
+                self._on_later_part(src, key, h)
+                return
+            gs = self._groups.get(h.gid)
+            if gs is not None and h.seq != wire.NO_SEQ:  # a collective of ours
+                problem = None if gs.error else self._check_sequence(gs, src, h)
+                seen = gs.seen.get(src)
+                if seen is None or h.seq > seen.seq:
+                    gs.seen[src] = h
+                for req in list(gs.posted_from.get(src, ())):
+                    if req.call.seq < h.seq and not req.done and req.error is None:
+                        problem = problem or self._ahead_text(req, _describe_header(h))
+                if problem:
+                    self._discard(self._router)
+                    self._fail_group(gs, problem, forward=True)
+                    return
+            q = self._posted.get(key)
+            if q:
+                req = q.popleft()
+                if not q:
+                    del self._posted[key]
+                self._unindex(req)
+                problem = self._compare(req, h)
+                if problem:
+                    self._discard(self._router)
+                    self._mismatch(req, problem)
+                elif not self._recv_part(h, req.view):
+                    self._malformed(req, src)
+                elif wire.part_size(h.nbytes, 0) < h.nbytes:
+                    self._partial[key] = _Partial(req, None, h)
+                    return
+                else:
+                    req.done = True
+                self._cond.notify_all()
+                return
+            buf = np.empty(h.nbytes, np.uint8)
+            if not self._recv_part(h, buf):
+                self.stats["rejected"] += 1
+                return
+            self.stats["unexpected"] += 1
+            msg = _Msg(h, buf)
+            if wire.part_size(h.nbytes, 0) < h.nbytes:
+                self._partial[key] = _Partial(None, msg, h)
+            else:
+                self._unexpected.setdefault(key, collections.deque()).append(msg)
+
+    def _on_later_part(self, src: int, key: tuple, h: wire.Header) -> None:
+        """Lock held: part ``h.offset`` of a tensor whose first part arrived."""
+        part = self._partial.get(key)
+        if part is None or part.next != h.offset or part.header.nbytes != h.nbytes:
+            self._discard(self._router)  # e.g. the rest of a message whose call failed
+            if part is not None:
+                del self._partial[key]
+                if part.req is not None:
+                    self._malformed(part.req, src)
+            return
+        target = part.req.view if part.req is not None else part.msg.buf
+        if not self._recv_part(h, target):
+            del self._partial[key]
+            if part.req is not None:
+                self._malformed(part.req, src)
+            return
+        part.next += wire.part_size(h.nbytes, h.offset)
+        if part.next < h.nbytes:
+            return
+        del self._partial[key]
+        if part.req is not None:
+            part.req.done = True
+            self._cond.notify_all()
+            return
+        q = self._posted.get(key)  # a receive posted while the message was arriving
+        if q:
+            req = q.popleft()
+            if not q:
+                del self._posted[key]
+            self._unindex(req)
+            problem = self._compare(req, part.msg.header)
+            if problem:
+                self._mismatch(req, problem)
+            else:
+                req.view[...] = part.msg.buf
+                req.done = True
+            self._cond.notify_all()
+        else:
+            self._unexpected.setdefault(key, collections.deque()).append(part.msg)
+
+    def _malformed(self, req: _Recv, src: int) -> None:
+        req.error = PeerError(f"{req.call.where}: malformed message from "
+                              f"{req.call.peer(src)}", peer=src)
+        self._cond.notify_all()
+
+    def _recv_part(self, h: wire.Header, view: np.ndarray) -> bool:
+        """Read the payload frame of part ``h.offset`` into ``view`` (bytes of the tensor)."""
+        sock = self._router
+        size = wire.part_size(h.nbytes, h.offset) if h.nbytes else 0
+        try:
+            if size:
+                if not sock.get(_RCVMORE):
+                    return False
+                if _HAS_RECV_INTO:
+                    got = sock.recv_into(view[h.offset:h.offset + size], flags=_NOBLOCK)
+                else:  # pyzmq < 26.4: one more copy, out of libzmq's buffer
+                    frame = sock.recv(_NOBLOCK, copy=False)
+                    got = len(frame.buffer)
+                    if got == size:
+                        view[h.offset:h.offset + size] = np.frombuffer(frame.buffer, np.uint8)
+                if got != size:
+                    self._discard(sock)
+                    return False
+        except zmq.Again:
+            return False
+        if sock.get(_RCVMORE):
+            self._discard(sock)
+            return False
+        return True
+
+    def _drain_monitor(self) -> None:
+        mon = self._monitor
+        while mon.get(_EVENTS) & _POLLIN:
+            try:
+                ev = mon.recv(_NOBLOCK)
+            except zmq.Again:
+                return
+            self._discard(mon)
+            if len(ev) >= 6:
+                event, value = struct.unpack("=HI", ev[:6])
+                if event == zmq.EVENT_DISCONNECTED:
+                    peer = self._fd_rank.pop(value, None)
+                    if peer is not None:
+                        self._lost.setdefault(peer, time.monotonic())
+
+    def _drain(self, limit: int = 4096) -> int:
+        """Process what arrived (token held, or start-up): monitor events, then messages."""
+        self._drain_monitor()
+        router, inb, n = self._router, self._inbound, 0
+        while n < limit and router.get(_EVENTS) & _POLLIN:
+            try:
+                rid = router.recv(_NOBLOCK)
+            except zmq.Again:
+                break
+            n += 1
+            try:
+                self._on_router_message(inb, rid)
+            except zmq.Again:
+                self.stats["rejected"] += 1
+        if self._lost:
+            now = time.monotonic()
+            for peer, since in list(self._lost.items()):
+                if now - since >= LOST_GRACE_S:
+                    del self._lost[peer]
+                    with self._lock:
+                        self._mark_down(peer, "died or lost its connection")
+        return n
+
+    def _progress(self, timeout: float) -> None:
+        if self._drain():
+            return
+        if self._spin_s > 0:
+            # A message usually follows within microseconds: yield the core (libzmq's I/O
+            # threads need it) and look again, before paying for a sleep and a wake-up.
+            router, until = self._router, time.perf_counter() + min(self._spin_s, timeout)
+            while time.perf_counter() < until:
+                os.sched_yield()
+                if router.get(_EVENTS) & _POLLIN:
+                    self._drain()
+                    return
+        if timeout > 0:
+            if self._lost:
+                timeout = min(timeout, LOST_GRACE_S)
+            self._poller.poll(max(1, int(timeout * 1000)))
+            self._drain()
+
+    def _deadline(self, call: Call, timeout: Optional[float]) -> float:
+        if timeout is not None:
+            return time.monotonic() + timeout
+        if call.deadline is not None:
+            return call.deadline
+        return time.monotonic() + call.timeout
+
+    def wait_recv(self, req: _Recv, timeout: Optional[float]) -> None:
+        if req.done:
+            return
+        deadline = self._deadline(req.call, timeout)
+        cond = self._cond
+        while True:
+            with cond:
+                while True:
+                    if req.done:
+                        return
+                    if req.error is not None:
+                        raise req.error
+                    if self._closed:
+                        raise CollectiveError(f"{req.call.where}: the group was closed while "
+                                              f"waiting")
+                    now = time.monotonic()
+                    if now >= deadline:
+                        c = req.call
+                        wait = timeout if timeout is not None else c.timeout
+                        why = "slower, hung, or in another collective" if c.collective \
+                            else f"no send with tag {req.tag}"
+                        raise CollectiveTimeout(
+                            f"{c.where}: no message from {c.peer(req.src)} within {wait:g} s "
+                            f"({why})", op=c.op, seq=c.seq if c.collective else -1,
+                            missing=[c.group_rank(req.src)])
+                    if not self._token:
+                        self._token = True
+                        break
+                    cond.wait(min(deadline - now, SLICE_S))
+            try:
+                self._progress(min(deadline - time.monotonic(), SLICE_S))
+            finally:
+                with cond:
+                    self._token = False
+                    cond.notify_all()
+
+    def test_recv(self, req: _Recv) -> bool:
+        if not (req.done or req.error is not None):
+            with self._cond:
+                mine = not self._token and not self._closed
+                if mine:
+                    self._token = True
+            if mine:
+                try:
+                    self._drain()
+                finally:
+                    with self._cond:
+                        self._token = False
+                        self._cond.notify_all()
+        return req.done or req.error is not None
+
+    def wait_send(self, tracker: Any, call: Call, dst: int, timeout: Optional[float]) -> None:
+        deadline = self._deadline(call, timeout)
+        while not tracker.done:
+            now = time.monotonic()
+            if now >= deadline:
+                wait = timeout if timeout is not None else call.timeout
+                raise CollectiveTimeout(f"{call.where}: {call.peer(dst)} did not take the "
+                                        f"message within {wait:g} s", op=call.op,
+                                        seq=call.seq if call.collective else -1,
+                                        missing=[call.group_rank(dst)])
+            try:
+                tracker.wait(min(deadline - now, SLICE_S))
+            except zmq.NotDone:
+                pass
+
+    # ========================================================================== close
+    def close(self) -> None:
+        """Say goodbye to the peers, close every socket and the context (sends still queued
+        get at most COLLECTIVES_ZMQ_LINGER_S), remove the ipc directory."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            until = time.monotonic() + 2.0  # a waiter hands the token back within a slice
+            while self._token and time.monotonic() < until:
+                self._cond.wait(SLICE_S)
+            self._token = True
+            for q in self._posted.values():
+                for r in q:
+                    if r.error is None and not r.done:
+                        r.error = CollectiveError(f"{r.call.where}: the group was closed")
+            for part in self._partial.values():
+                r = part.req
+                if r is not None and r.error is None and not r.done:
+                    r.error = CollectiveError(f"{r.call.where}: the group was closed")
+            self._posted.clear()
+            self._unexpected.clear()
+            self._partial.clear()
+            self._cond.notify_all()
+        for p, sock in enumerate(self._dealers):
+            if sock is None:
+                continue
+            with self._dealer_locks[p]:
+                if p not in self._down:
+                    try:
+                        sock.send(wire.pack(Kind.BYE, self.rank, p), zmq.NOBLOCK)
+                    except zmq.ZMQError:
+                        pass
+        self._teardown(linger_ms=int(getattr(self, "_linger_s", 0) * 1000))
+
+    def _teardown(self, linger_ms: int) -> None:
+        for p, sock in enumerate(self._dealers):
+            if sock is not None:
+                with self._dealer_locks[p]:
+                    sock.close(linger=linger_ms)
+                    self._dealers[p] = None
+        for out in list(getattr(self, "_outbound", {}).values()):
+            if not out.sock.closed:
+                out.sock.close(0)
+        if self._router is not None:
+            try:
+                self._router.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._router.close(0)
+            self._router = None
+        if self._monitor is not None:
+            self._monitor.close(0)
+            self._monitor = None
+        for attr in ("_rdv_in", "_rdv_out"):
+            end = getattr(self, attr, None)
+            if end is not None and not end.sock.closed:
+                end.sock.close(0)
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        if self._ipc is not None:
+            self._ipc.remove()
+            self._ipc = None
+        _live_engines.discard(self)
+        _maybe_stop_gc()
+
+
+# ------------------------------------------------------------------------- helpers
+def _group_rank(gs: _GroupState, world: int) -> int:
+    try:
+        return gs.members.index(world)
+    except ValueError:
+        return world
+
+
+def _signature(h: wire.Header) -> tuple:
+    return (h.op, h.dtype, h.sig_count, h.root, h.redop)
+
+
+def _sig_differs(a: tuple, b: tuple) -> bool:
+    """Two call signatures (op, dtype, count, root, redop) disagree (ANY_COUNT matches
+    every count)."""
+    if a[2] != b[2] and wire.ANY_COUNT not in (a[2], b[2]):
+        return True
+    return (a[0], a[1], a[3], a[4]) != (b[0], b[1], b[3], b[4])
+
+
+def _describe_header(h: wire.Header) -> str:
+    return wire.describe(h.op, h.seq, h.dtype, h.sig_count if h.sig_count != wire.ANY_COUNT
+                         else h.count, (), wire.ANY_COUNT, h.root, h.redop)
+
+
+def _describe_sig(seq: int, sig: tuple) -> str:
+    op, dtype, count, root, redop = sig
+    return wire.describe(op, seq, dtype, count if count != wire.ANY_COUNT else 0, (),
+                         wire.ANY_COUNT, root, redop)
+
+
+def _describe_meta(meta: wire.Meta, dtype: int, op: str) -> str:
+    return _describe_sig(meta.seq, (meta.op, dtype, meta.sig_count, meta.root, meta.redop))

@@ -1,0 +1,336 @@
+"""The zmq backend's collectives: one algorithm per (op, size, world size).
+
+Over TCP or ipc a message costs tens of microseconds however small it is, while every
+peer can be sent to at once (each pair has its own connection). So:
+
+- small messages, up to :data:`DIRECT_MAX_RANKS` ranks: *direct* algorithms, one round in
+  which every rank posts all its receives and sends at once (all_reduce: every rank sends
+  its vector to every other and all reduce the same ``n`` vectors in rank order, so all
+  hold identical bits; barrier: every rank signals every other);
+- large messages: bandwidth-optimal *reduce-scatter + all-gather* (all_reduce), *scatter
+  + all-gather* (broadcast) or *reduce-scatter + gather* (reduce): each rank moves
+  ``2(n-1)/n`` of the message. Up to :data:`DIRECT_MAX_RANKS` the phases are direct
+  (2 rounds); beyond, the ring and tree algorithms of :mod:`collectives.algorithms`
+  (``2(n-1)`` rounds, but each rank talks to its neighbours only);
+- all_gather, reduce_scatter, gather, scatter and all_to_all are direct at every size up
+  to :data:`DIRECT_MAX_RANKS` ranks (each rank already moves the least data possible);
+- beyond :data:`DIRECT_MAX_RANKS` ranks, small messages use the latency-optimal
+  logarithmic algorithms of :mod:`collectives.algorithms` (recursive doubling, binomial
+  trees, dissemination).
+
+Every choice depends only on values all ranks share (world size, the call's byte count),
+so all ranks pick the same algorithm. Bitwise identity of all_reduce: either every rank
+folds the same ``n`` vectors in rank order ``0, 1, ..., n-1`` (direct), or each element is
+reduced by exactly one rank (its chunk's owner: its own part first, then the others in
+rank order; or the ring's order) and the others copy its bits.
+
+Receive buffers for the parts of large reductions come from a :class:`Scratch` that the
+group keeps between calls (fresh memory costs a page fault per 4 KiB on first touch).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import numpy as np
+
+from collectives.algorithms import dispatch, pairwise, recursive_doubling, ring, tree, \
+    two_phase, dissemination
+from collectives.algorithms.links import Links, wait_all
+from collectives.errors import CollectiveMismatch, where
+from collectives.reduce_op import ReduceOp, combine_into, finish
+
+
+def _tunable(name: str, default: int) -> int:
+    value = os.environ.get(f"COLLECTIVES_ZMQ_{name}", "").strip()
+    try:
+        return int(value) if value else default
+    except ValueError:
+        raise ValueError(f"environment variable COLLECTIVES_ZMQ_{name}={value!r} is not an "
+                         f"integer") from None
+
+
+#: Direct (one-round, all-peers-at-once) algorithms up to this many ranks
+#: (``COLLECTIVES_ZMQ_DIRECT_MAX_RANKS``; every rank must see the same value).
+DIRECT_MAX_RANKS = _tunable("DIRECT_MAX_RANKS", 8)
+#: all_reduce: one round of direct exchange up to this many bytes; above, reduce-scatter
+#: + all-gather (``COLLECTIVES_ZMQ_ALL_REDUCE_DIRECT_BYTES``).
+ALL_REDUCE_DIRECT_BYTES = _tunable("ALL_REDUCE_DIRECT_BYTES", 64 * 1024)
+#: broadcast/reduce: whole message from/to the root up to this many bytes; above (and
+#: n > 2), split so that every rank carries 1/n of it.
+ROOTED_SPLIT_BYTES = _tunable("ROOTED_SPLIT_BYTES", 256 * 1024)
+
+
+#: Scratch kept between calls up to this many bytes (larger needs are allocated fresh).
+SCRATCH_KEEP_BYTES = _tunable("SCRATCH_KEEP_BYTES", 256 << 20)
+
+
+class Scratch:
+    """Reusable receive buffers of one group (whose collectives run one at a time)."""
+
+    def __init__(self) -> None:
+        self._buf = np.empty(0, np.uint8)
+
+    def arrays(self, k: int, count: int, dtype: np.dtype) -> list:
+        """``k`` disjoint arrays of ``count`` elements of ``dtype``."""
+        dtype = np.dtype(dtype)
+        need = k * count * dtype.itemsize
+        if need > self._buf.size:
+            buf = np.empty(need, np.uint8)
+            if need <= SCRATCH_KEEP_BYTES:
+                self._buf = buf
+        else:
+            buf = self._buf
+        flat = buf[:need].view(dtype)
+        return [flat[i * count:(i + 1) * count] for i in range(k)]
+
+    def release(self) -> None:
+        self._buf = np.empty(0, np.uint8)
+
+
+def _scratch(links: Links) -> Scratch:
+    s = getattr(links._group, "scratch", None)  # the group's, when it offers one
+    return s if s is not None else Scratch()
+
+
+def _peers(links: Links):
+    return [p for p in range(links.size) if p != links.rank]
+
+
+def _fold_in_rank_order(op: ReduceOp, parts: list, n: int) -> np.ndarray:
+    """``((p0 op p1) op p2) ...`` finished (AVG divides), into a fresh array."""
+    acc = parts[0].copy()
+    for p in parts[1:]:
+        combine_into(op, acc, p)
+    finish(op, acc, n)
+    return acc
+
+
+# ------------------------------------------------------------------------ all_reduce
+def all_reduce(links: Links, a: np.ndarray, op: ReduceOp) -> None:
+    n = links.size
+    if n == 1:
+        finish(op, a, 1)
+        return
+    if a.size == 0:
+        return
+    if n <= DIRECT_MAX_RANKS:
+        if a.nbytes <= ALL_REDUCE_DIRECT_BYTES or a.size < n:
+            direct_all_reduce(links, a, op)
+        else:
+            direct_rsag_all_reduce(links, a, op)
+    elif a.nbytes >= dispatch.ALL_REDUCE_RING_BYTES and a.size >= n:
+        ring.all_reduce(links, a, op)
+    else:
+        recursive_doubling.all_reduce(links, a, op)
+
+
+def direct_all_reduce(links: Links, a: np.ndarray, op: ReduceOp) -> None:
+    """Every rank sends ``a`` to every other, then all fold the ``n`` vectors in rank
+    order. One round; ``(n-1) m`` bytes in and out per rank."""
+    n, r = links.size, links.rank
+    parts: list = [None] * n
+    works = []
+    for p in _peers(links):
+        parts[p] = np.empty_like(a)
+        works.append(links.irecv(parts[p], p))
+    works += [links.isend(a, p) for p in _peers(links)]
+    wait_all(works)
+    parts[r] = a
+    a[...] = _fold_in_rank_order(op, parts, n)
+
+
+def direct_rsag_all_reduce(links: Links, a: np.ndarray, op: ReduceOp) -> None:
+    """Reduce-scatter (rank ``j`` reduces chunk ``j`` of everyone's ``a``, in rank order)
+    then all-gather of the reduced chunks; both phases direct. ``2(n-1)/n m`` bytes in and
+    out per rank, two rounds."""
+    n, r = links.size, links.rank
+    bounds = ring.chunk_bounds(a.size, n)
+    lo, hi = bounds[r], bounds[r + 1]
+    peers = _peers(links)
+    parts = dict(zip(peers, _scratch(links).arrays(len(peers), hi - lo, a.dtype)))
+    works = []
+    for p in peers:
+        if hi > lo:
+            works.append(links.irecv(parts[p], p, 0))
+        if bounds[p + 1] > bounds[p]:
+            works.append(links.isend(a[bounds[p]:bounds[p + 1]], p, 0))
+    wait_all(works)
+    if hi > lo:
+        mine = a[lo:hi]            # this rank alone reduces chunk r: own part, then rank order
+        for p in peers:
+            combine_into(op, mine, parts[p])
+        finish(op, mine, n)
+    direct_all_gather_chunks(links, a, bounds, step=1)
+
+
+def direct_all_gather_chunks(links: Links, a: np.ndarray, bounds: list, *, step: int,
+                             root_has_all: Optional[int] = None) -> None:
+    """Rank ``j`` holds chunk ``j`` of ``a``; afterwards every rank holds all chunks.
+    With ``root_has_all`` that rank already holds everything and receives nothing."""
+    r = links.rank
+    works = []
+    for p in _peers(links):
+        if r != root_has_all and bounds[p + 1] > bounds[p]:
+            works.append(links.irecv(a[bounds[p]:bounds[p + 1]], p, step))
+        if p != root_has_all and bounds[r + 1] > bounds[r]:
+            works.append(links.isend(a[bounds[r]:bounds[r + 1]], p, step))
+    wait_all(works)
+
+
+# ------------------------------------------------------------------ broadcast, reduce
+def broadcast(links: Links, a: np.ndarray, src: int) -> None:
+    n = links.size
+    if n == 1 or a.size == 0:
+        return
+    split = n > 2 and a.nbytes > ROOTED_SPLIT_BYTES and a.size >= n
+    if n <= DIRECT_MAX_RANKS:
+        if split:
+            direct_scatter_all_gather(links, a, src)
+        elif links.rank == src:
+            wait_all([links.isend(a, p) for p in _peers(links)])
+        else:
+            links.recv(a, src)
+    elif split:
+        two_phase.broadcast(links, a, src)
+    else:
+        tree.broadcast(links, a, src)
+
+
+def direct_scatter_all_gather(links: Links, a: np.ndarray, src: int) -> None:
+    """The root sends chunk ``j`` to rank ``j``; then every rank sends its chunk to all
+    others except the root (which has everything)."""
+    r = links.rank
+    bounds = ring.chunk_bounds(a.size, links.size)
+    if r == src:
+        wait_all([links.isend(a[bounds[p]:bounds[p + 1]], p, 0) for p in _peers(links)
+                  if bounds[p + 1] > bounds[p]])
+    elif bounds[r + 1] > bounds[r]:
+        links.recv(a[bounds[r]:bounds[r + 1]], src, 0)
+    direct_all_gather_chunks(links, a, bounds, step=1, root_has_all=src)
+
+
+def reduce(links: Links, a: np.ndarray, dst: int, op: ReduceOp) -> None:
+    n, r = links.size, links.rank
+    if n == 1:
+        finish(op, a, 1)
+        return
+    if a.size == 0:
+        return
+    split = n > 2 and a.nbytes > ROOTED_SPLIT_BYTES and a.size >= n
+    if n <= DIRECT_MAX_RANKS and not split:
+        if r != dst:
+            links.send(a, dst)
+            return
+        parts: list = [None] * n
+        works = []
+        for p in _peers(links):
+            parts[p] = np.empty_like(a)
+            works.append(links.irecv(parts[p], p))
+        wait_all(works)
+        parts[r] = a
+        a[...] = _fold_in_rank_order(op, parts, n)
+    elif split:
+        two_phase.reduce(links, a, dst, op)
+    else:
+        tree.reduce(links, a, dst, op)
+
+
+# ------------------------------------------------------------- gathers and scatters
+def all_gather(links: Links, out: np.ndarray, inp: np.ndarray) -> None:
+    n, r, k = links.size, links.rank, inp.size
+    out[r * k:(r + 1) * k] = inp
+    if n == 1 or k == 0:
+        return
+    if n <= DIRECT_MAX_RANKS:
+        direct_all_gather_chunks(links, out, [p * k for p in range(n + 1)], step=0)
+    else:
+        ring.all_gather_chunks(links, out, [p * k for p in range(n + 1)])
+
+
+def reduce_scatter(links: Links, out: np.ndarray, inp: np.ndarray, op: ReduceOp) -> None:
+    n, r, k = links.size, links.rank, out.size
+    if n == 1:
+        out[...] = inp
+        finish(op, out, 1)
+        return
+    if k == 0:
+        return
+    if n > DIRECT_MAX_RANKS:
+        ring.reduce_scatter(links, out, inp, op)
+        return
+    parts: list = [None] * n
+    works = []
+    for p in _peers(links):
+        parts[p] = np.empty(k, inp.dtype)
+        works.append(links.irecv(parts[p], p))
+        works.append(links.isend(inp[p * k:(p + 1) * k], p))
+    wait_all(works)
+    parts[r] = inp[r * k:(r + 1) * k]
+    out[...] = _fold_in_rank_order(op, parts, n)
+
+
+def gather(links: Links, inp: np.ndarray, out: Optional[np.ndarray], dst: int) -> None:
+    n, r, k = links.size, links.rank, inp.size
+    if r == dst:
+        out[r * k:(r + 1) * k] = inp
+    if n == 1 or k == 0:
+        return
+    if n > DIRECT_MAX_RANKS:
+        tree.gather(links, inp, out, dst)
+    elif r == dst:
+        wait_all([links.irecv(out[p * k:(p + 1) * k], p) for p in _peers(links)])
+    else:
+        links.send(inp, dst)
+
+
+def scatter(links: Links, out: np.ndarray, inp: Optional[np.ndarray], src: int) -> None:
+    n, r, k = links.size, links.rank, out.size
+    if r == src:
+        out[...] = inp[r * k:(r + 1) * k]
+    if n == 1 or k == 0:
+        return
+    if n > DIRECT_MAX_RANKS:
+        tree.scatter(links, out, inp, src)
+    elif r == src:
+        wait_all([links.isend(inp[p * k:(p + 1) * k], p) for p in _peers(links)])
+    else:
+        links.recv(out, src)
+
+
+def all_to_all(links: Links, out: np.ndarray, inp: np.ndarray, out_counts: Sequence[int],
+               in_counts: Sequence[int]) -> None:
+    n, r = links.size, links.rank
+    if n > DIRECT_MAX_RANKS:
+        pairwise.all_to_all(links, out, inp, out_counts, in_counts)
+        return
+    if out_counts[r] != in_counts[r]:
+        raise CollectiveMismatch(
+            f"{where(r, n, 'all_to_all')}: this rank sends itself {in_counts[r]} elements "
+            f"but expects {out_counts[r]} from itself (split sizes disagree)")
+    out_at, in_at = [0], [0]
+    for c in out_counts:
+        out_at.append(out_at[-1] + c)
+    for c in in_counts:
+        in_at.append(in_at[-1] + c)
+    out[out_at[r]:out_at[r + 1]] = inp[in_at[r]:in_at[r + 1]]
+    works = []
+    for p in _peers(links):
+        if out_counts[p]:
+            works.append(links.irecv(out[out_at[p]:out_at[p + 1]], p))
+        if in_counts[p]:
+            works.append(links.isend(inp[in_at[p]:in_at[p + 1]], p))
+    wait_all(works)
+
+
+def barrier(links: Links) -> None:
+    if links.size == 1:
+        return
+    if links.size > DIRECT_MAX_RANKS:
+        dissemination.barrier(links)
+        return
+    token = np.empty(0, np.uint8)
+    works = [links.irecv(np.empty(0, np.uint8), p) for p in _peers(links)]
+    works += [links.isend(token, p) for p in _peers(links)]
+    wait_all(works)
