@@ -13,7 +13,8 @@ picks a free port); under torchrun, whose agent already serves that port
 (``TORCHELASTIC_USE_AGENT_STORE=True``, the default since torch 2.4), every rank is a
 client. Keys live under ``collectives/<restart>/world<k>/``, ``k`` counting the worlds this
 process opened on that store, and a sub-group's under its parent's prefix plus its members
-and instance number.
+and instance number. A gloo group is returned only after a barrier over it, so that no
+rank can close it (or exit) while a peer is still finishing its handshake.
 
 Every collective is torch's own (``allreduce``, ``_allgather_base``, ``_reduce_scatter_base``,
 ``alltoall_base``, ...) on the caller's memory: a contiguous CPU tensor goes to c10d as it
@@ -352,9 +353,8 @@ class TorchGroup(ProcessGroup):
         if args is None:
             args = self._tls.args = []
         args.append((obj, write))
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" \
-                and obj.dtype in _TORCH_DTYPES and obj.is_contiguous() \
-                and not obj.is_neg() and not obj.is_conj():
+        if isinstance(obj, torch.Tensor) and obj.is_cpu and obj.dtype in _TORCH_DTYPES \
+                and obj.is_contiguous() and not obj.is_neg():
             return HostBuffer(obj.detach() if obj.requires_grad else obj)
         return to_host(obj, where=where, arg=arg, write=write)
 
@@ -620,6 +620,7 @@ class TorchGroup(ProcessGroup):
                     pass
         pg, self._pg = self._pg, None
         self._store = None
+        self._tls = threading.local()  # noted arguments: no reason to keep them alive
         if pg is not None:
             _shutdown(pg)
             del pg  # the destructor joins gloo's threads (the GIL is released meanwhile)

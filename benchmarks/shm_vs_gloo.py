@@ -4,8 +4,8 @@
     python benchmarks/shm_vs_gloo.py --nproc 2 --sizes 4,1048576 --iters 50
 
 Every rank holds both groups over the same ranks and times them alternately, one
-iteration each, after a barrier on that group; an iteration's time is its slowest
-rank's. Prints the median per implementation and the ratio gloo / shm (above 1: shm is
+iteration each, after a barrier on that group; an iteration is 20 back-to-back calls up
+to 1 MiB (one call above), and its time per call is its slowest rank's. Prints the median per implementation and the ratio gloo / shm (above 1: shm is
 faster). Results are checked once per size. Noisy machines: compare ratios, not times.
 This file may import torch.distributed: it is a benchmark, not part of ``parallel/``.
 """
@@ -23,11 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import collectives  # noqa: E402
 
 
-def _time(fn, barrier, reduce_max):
+def _time(fn, reps, barrier, reduce_max):
+    """Seconds per call of ``reps`` back-to-back calls, on the slowest rank."""
     barrier()
     start = time.perf_counter()
-    fn()
-    return reduce_max(time.perf_counter() - start)
+    for _ in range(reps):
+        fn()
+    return reduce_max((time.perf_counter() - start) / reps)
 
 
 def _rank(sizes, iters):
@@ -53,17 +55,20 @@ def _rank(sizes, iters):
         pg.all_reduce(a)
         dist.all_reduce(b)
         wrong = int((a != n).sum() + (b != n).sum())
-        a.fill_(1.0)
-        b.fill_(1.0)
-        n_iter = iters if nbytes <= 1 << 20 else max(5, iters // 10)
+        a.zero_()  # zeros stay zeros: no overflow however many iterations
+        b.zero_()
+        small = nbytes <= 1 << 20
+        n_iter = iters if small else max(5, iters // 10)
+        reps = 20 if small else 1
         times = {"shm": [], "gloo": []}
         for i in range(n_iter):
             order = ("shm", "gloo") if i % 2 == 0 else ("gloo", "shm")
             for name in order:
                 if name == "shm":
-                    t = _time(lambda: pg.all_reduce(a), pg.barrier, lambda t: slowest(t, "shm"))
+                    t = _time(lambda: pg.all_reduce(a), reps, pg.barrier,
+                              lambda t: slowest(t, "shm"))
                 else:
-                    t = _time(lambda: dist.all_reduce(b), dist.barrier,
+                    t = _time(lambda: dist.all_reduce(b), reps, dist.barrier,
                               lambda t: slowest(t, "gloo"))
                 times[name].append(t)
         rows.append((n, nbytes, statistics.median(times["shm"]),

@@ -32,8 +32,10 @@ from collectives.testing.pool import LauncherUnavailable, WorldPool, launcher_fo
 #: World sizes every backend is tested with.
 WORLD_SIZES = (1, 2, 3, 4)
 #: Seconds a collective may block inside a test world (the group's timeout) before it is
-#: reported; generous for 4 ranks on 2 busy cores, short enough that a hang fails fast.
-POOL_TIMEOUT = 10.0
+#: reported; generous for 4 ranks on 2 busy cores (torch backends rendezvous within it
+#: while 4 interpreters import torch: ~13 s seen under load), short enough that a hang
+#: fails within a minute.
+POOL_TIMEOUT = 30.0
 #: Names that are aliases of others (left out), and backends these tests cannot drive.
 _ALIASES = {"torch"}  # gloo or nccl, whichever fits
 _NOT_TESTED_HERE = {"nccl": "needs CUDA tensors; this suite passes host tensors"}
