@@ -202,6 +202,11 @@ class ProcessGroup(abc.ABC):
     def _run(self, op: str, seq: int, fn: Callable[[], None], buffers: Sequence[HostBuffer],
              async_op: bool) -> Optional[Work]:
         """Run ``fn`` now, or on the group's thread when ``async_op`` (in issue order)."""
+        if not (async_op or self._pending):  # the hot path: nothing queued, run inline
+            fn()
+            for b in buffers:
+                b.commit()
+            return None
 
         def task() -> None:
             try:
@@ -212,18 +217,13 @@ class ProcessGroup(abc.ABC):
                 with self._pending_lock:
                     self._pending -= 1
 
-        if async_op or self._pending:
-            with self._pending_lock:
-                self._pending += 1
-            future = self._ensure_executor().submit(task)
-            work = FutureWork(future, f"{self._where(op)} (seq {seq})")
-            if async_op:
-                return work
-            work.wait()  # an async op is still queued: keep the order every rank sees
-            return None
-        fn()
-        for b in buffers:
-            b.commit()
+        with self._pending_lock:
+            self._pending += 1
+        future = self._ensure_executor().submit(task)
+        work = FutureWork(future, f"{self._where(op)} (seq {seq})")
+        if async_op:
+            return work
+        work.wait()  # an async op is still queued: keep the order every rank sees
         return None
 
     # ------------------------------------------------------------------- point to point
