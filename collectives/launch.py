@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Optional, Union
 
+from .environment import env_number
 from .group import ProcessGroup, timeout_seconds
 from .registry import get_backend
 
@@ -40,13 +41,11 @@ class Rendezvous:
 
 
 def _int(env: Mapping[str, str], *names: str) -> Optional[int]:
+    """The first of ``names`` that is set, as an int."""
     for name in names:
-        value = env.get(name)
-        if value not in (None, ""):
-            try:
-                return int(value)
-            except ValueError:
-                raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+        value = env_number(name, None, env=env)
+        if value is not None:
+            return value
     return None
 
 
@@ -152,8 +151,7 @@ def init_process_group(backend: Optional[str] = None, *, rank: Optional[int] = N
             pg.all_reduce(t)                            # tensor([3., 3., 3.]) on both
             pg.close()
     """
-    env_timeout = os.environ.get("COLLECTIVES_TIMEOUT")
-    default = float(env_timeout) if env_timeout else DEFAULT_TIMEOUT
+    default = env_number("COLLECTIVES_TIMEOUT", DEFAULT_TIMEOUT, kind=float)
     seconds = timeout_seconds(timeout, default)
     rendezvous = detect_rendezvous(rank, world_size)
     name = backend or default_backend(rendezvous)

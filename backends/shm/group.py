@@ -24,6 +24,7 @@ from typing import Optional
 
 import numpy as np
 
+from collectives.environment import env_number
 from collectives.errors import CollectiveError, CollectiveTimeout, PeerError
 from collectives.group import ProcessGroup
 from collectives.shm_names import segment_name
@@ -49,18 +50,8 @@ _SLICE = 0.2            # longest single sleep: the deadline and liveness are ch
 _LIVENESS_EVERY = 0.1   # seconds between pid checks of the ranks being waited for
 
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name, "").strip()
-    if not value:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
-
-
 def _layout_from_env(size: int) -> sg.Layout:
-    chunk = _env_int(CHUNK_ENV, DEFAULT_CHUNK)
+    chunk = env_number(CHUNK_ENV, DEFAULT_CHUNK)
     chunk = max(chunk, 1024, 64 * size)
     chunk = (chunk + 4095) // 4096 * 4096 if chunk >= 4096 else (chunk + 63) // 64 * 64
     # Each of the n x (n-1) rings is R bytes of sparse memory: shrink R with the size.
@@ -68,7 +59,7 @@ def _layout_from_env(size: int) -> sg.Layout:
     if size > 1:
         budget = (16 << 20) // (size * (size - 1))
         default_ring = max(64 << 10, min(1 << 20, 1 << (budget.bit_length() - 1)))
-    ring = _env_int(RING_ENV, default_ring)
+    ring = env_number(RING_ENV, default_ring)
     ring = max(4096, (ring + 4095) // 4096 * 4096)
     return sg.Layout(size, chunk, ring)
 
@@ -144,8 +135,8 @@ class ShmGroup(CollectiveOps, ProcessGroup):
                                 [lay.ctrl_word(r, sg.W_SLEEPERS) for r in range(size)],
                                 rank, wait_mode())
         self._engine = Engine(seg, rank, size, self._bells.ring, self._where, dtype_name)
-        self._spin_s = _env_int(SPIN_ENV, 5) * 1e-6
-        self._yield_s = _env_int(YIELD_ENV, 100) * 1e-6
+        self._spin_s = env_number(SPIN_ENV, 5) * 1e-6
+        self._yield_s = env_number(YIELD_ENV, 100) * 1e-6
         self._phase = int(seg.u64[self._me_arrived])
         self._S = lay.chunk
         self._slots = [[seg.bytes[lay.slot_off(b, r):lay.slot_off(b, r) + lay.chunk]

@@ -35,6 +35,7 @@ from typing import Any, Mapping, Optional
 
 import zmq
 
+from collectives.environment import env_number
 from collectives.errors import CollectiveError, CollectiveTimeout, PeerError
 
 from . import auth, wire
@@ -65,16 +66,6 @@ _HELLO = struct.Struct("<BB32s")
 _EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
 _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
 _MODE_CODES = {"secret": 1, "file": 2, "open": 3}
-
-
-def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
-    value = env.get(name, "").strip()
-    if not value:
-        return default
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not a number") from None
 
 
 class _Inbound:
@@ -137,10 +128,11 @@ class Connector:
     def _start(self, rdzv: Any, env: Mapping[str, str]) -> None:
         where = f"{self._where0} init"
         self._master = master = resolve_master(rdzv.master_addr, rdzv.master_port, where)
-        self._heartbeat_s = _env_float(env, HEARTBEAT_ENV, DEFAULT_HEARTBEAT_S)
-        self._spin_s = _env_float(env, SPIN_ENV, DEFAULT_SPIN_US) * 1e-6
-        self._linger_s = _env_float(env, LINGER_ENV, DEFAULT_LINGER_S)
-        init_timeout = _env_float(env, INIT_TIMEOUT_ENV, max(self.timeout, MIN_INIT_TIMEOUT))
+        self._heartbeat_s = env_number(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_S, kind=float, env=env)
+        self._spin_s = env_number(SPIN_ENV, DEFAULT_SPIN_US, kind=float, env=env) * 1e-6
+        self._linger_s = env_number(LINGER_ENV, DEFAULT_LINGER_S, kind=float, env=env)
+        init_timeout = env_number(INIT_TIMEOUT_ENV, max(self.timeout, MIN_INIT_TIMEOUT),
+                                  kind=float, env=env)
         self.mode, self._key = auth.choose_mode(rdzv, env)
         self._mode_code = _MODE_CODES[self.mode]
         self._key_path = auth.key_file_path(f"{rdzv.job_id}|{master.ip}:{master.port}|{self.size}") \
@@ -150,7 +142,7 @@ class Connector:
             if self.mode == "file":
                 auth.write_key_file(self._key_path, self._key)
 
-        self._ctx = zmq.Context(io_threads=max(1, int(_env_float(env, IO_THREADS_ENV, 1))))
+        self._ctx = zmq.Context(io_threads=max(1, env_number(IO_THREADS_ENV, 1, env=env)))
         self._ctx.setsockopt(zmq.LINGER, 0)
         _note_gc_state()
         # This rank's inbound socket.

@@ -97,10 +97,8 @@ def _rank_entry(main: Callable[[argparse.Namespace], Any], args: argparse.Namesp
 
     One thread per rank makes N ranks use N cores, so that runs with different world sizes
     compare; torch's default, a thread per core in every rank, oversubscribes the cores,
-    and its OpenMP threads then slow down by orders of magnitude. (Launchers export
-    ``OMP_NUM_THREADS=1``, but torch reads it when it is loaded, and a spawned rank loads
-    torch, unpickling ``main``, before its launcher's environment is applied: so set it
-    here.)
+    and its OpenMP threads then slow down by orders of magnitude. ``collectives.spawn``
+    and torchrun already export ``OMP_NUM_THREADS=1``; mpirun does not, hence the default.
     """
     threads = os.environ.get("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else 1)
