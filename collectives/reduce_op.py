@@ -37,6 +37,16 @@ _KERNELS = {
 }
 
 
+def kernel(op: ReduceOp) -> np.ufunc:
+    """The numpy ufunc that combines two operands of ``op`` (AVG sums; see :func:`finish`),
+    for backends that call it with their own ``out=`` (one pass, no temporary).
+
+    >>> kernel(ReduceOp.MAX)
+    <ufunc 'maximum'>
+    """
+    return _KERNELS[op]
+
+
 def combine_into(op: ReduceOp, acc: np.ndarray, other: np.ndarray) -> None:
     """``acc = acc (op) other`` elementwise, in place.
 
@@ -67,12 +77,21 @@ def reduce_arrays(op: ReduceOp, inputs: Sequence[np.ndarray]) -> np.ndarray:
     return acc
 
 
-def check_reducible(op: object, dtype: np.dtype, where: str) -> ReduceOp:
-    """Validate ``op`` for ``dtype`` and return it as a :class:`ReduceOp`.
+def check_reducible(op: object, dtype: np.dtype, where: str, arg: str = "tensor") -> ReduceOp:
+    """Validate ``op`` for ``dtype`` (the dtype of argument ``arg``) and return it as a
+    :class:`ReduceOp` (a name such as ``"sum"`` is accepted too).
 
     Raises ``TypeError`` for a non-ReduceOp or a bool dtype, ``ValueError`` for AVG on
     integers; ``where`` prefixes the message (``[rank 0/2] all_reduce``).
+
+    >>> check_reducible("max", np.dtype(np.float32), "[rank 0/2] all_reduce")
+    <ReduceOp.MAX: 'max'>
     """
+    try:  # the hot path: a pair seen before (every call of a training loop)
+        return _REDUCIBLE[id(op), dtype]
+    except KeyError:
+        pass
+    given = op
     if isinstance(op, str):
         try:
             op = ReduceOp[op.upper()]
@@ -82,9 +101,18 @@ def check_reducible(op: object, dtype: np.dtype, where: str) -> ReduceOp:
         raise TypeError(f"{where}: argument `op` must be a ReduceOp "
                         f"(SUM, AVG, PRODUCT, MIN, MAX), got {op!r}")
     if dtype == np.bool_:
-        raise TypeError(f"{where}: reduction {op.name} is not defined on dtype bool; "
-                        f"cast to uint8 or int32 first")
+        raise TypeError(f"{where}: argument `op`={op.name} is not defined on dtype bool "
+                        f"(argument `{arg}`); cast to uint8 or int32 first")
     if op is ReduceOp.AVG and np.issubdtype(dtype, np.integer):
-        raise ValueError(f"{where}: ReduceOp.AVG is not defined on integer dtype "
-                         f"{dtype}; use SUM and divide, or a floating dtype")
+        raise ValueError(f"{where}: argument `op`=AVG is not defined on integer dtype "
+                         f"{dtype} (argument `{arg}`); use SUM and divide, or a floating "
+                         f"dtype")
+    if type(given) is ReduceOp:  # (a bounded table: 5 ops x the supported dtypes)
+        _REDUCIBLE[id(given), dtype] = op
     return op
+
+
+#: (id of a ReduceOp member, dtype) pairs already found valid. Keyed by id because an
+#: Enum member hashes in Python (~0.2 us); members live forever, so an id that matches
+#: is that member.
+_REDUCIBLE: dict[tuple[int, np.dtype], ReduceOp] = {}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
 import collectives
@@ -31,3 +33,123 @@ def test_repeated_empty_messages_are_delivered():
 def test_a_rank_may_close_while_others_still_attach():
     for _ in range(2):
         assert collectives.spawn(_init_then_close, 4, backend="shm") == [True] * 4
+
+
+# ----------------------------------------------- all_reduce/reduce: the two paths
+# backends.shm.reduce: messages up to SMALL_REDUCE_BYTES (and one slot) take a one-phase
+# path with cached exact-length views; larger ones a pipelined reduce-scatter/all-gather
+# (one chunk per phase, each rank reducing its piece from its own array and the peers'
+# input parts). Both must match the reference bit for bit, on every rank, at the size
+# boundaries, for odd sizes, every reducible dtype and every op.
+
+_REDUCIBLE = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16",
+              "int32", "int64")
+
+
+def _rank_input(r, count, dtype, seed):
+    """Rank ``r``'s input of one case (every rank can rebuild everybody's)."""
+    rng = np.random.default_rng(seed * 131 + r)
+    if np.dtype(dtype).kind in "iu":
+        return rng.integers(0, 5, size=count).astype(dtype)
+    # Values whose sum rounds differently in different orders: order bugs show up.
+    return (rng.standard_normal(count) * 10.0 ** rng.integers(-3, 4, size=count)) \
+        .astype(np.float32).astype(dtype)
+
+
+def _cases(limit_bytes):
+    import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
+    from collectives.buffers import SUPPORTED_DTYPES
+    dtypes = [d for d in SUPPORTED_DTYPES if str(d) in _REDUCIBLE or d.name == "bfloat16"]
+    seed = 0
+    for dt in dtypes:
+        edge = limit_bytes // dt.itemsize
+        counts = (1, 3, 7, edge - 1, edge, edge + 1)
+        for count in counts:
+            for op in collectives.ReduceOp:
+                if op is collectives.ReduceOp.AVG and dt.kind in "iu":
+                    continue
+                seed += 1
+                yield dt, count, op, seed
+
+
+def _check_reduce_paths(limit_bytes, large_counts):
+    """Run the cases on this rank; return (failures, digest of every result)."""
+    from collectives.reduce_op import reduce_arrays
+    pg = collectives.init_process_group(timeout=60)
+    n, me = pg.size, pg.rank
+    failures, digest = [], []
+    cases = list(_cases(limit_bytes))
+    cases += [(np.dtype(np.float32), c, collectives.ReduceOp.SUM, 10_000 + c)
+              for c in large_counts]
+    cases += [(np.dtype(np.float64), c, collectives.ReduceOp.AVG, 20_000 + c)
+              for c in large_counts]
+    for i, (dt, count, op, seed) in enumerate(cases):
+        inputs = [_rank_input(r, count, dt, seed) for r in range(n)]
+        expect = reduce_arrays(op, inputs)
+        a = inputs[me].copy()
+        dst = i % n
+        if i % 3 == 2:  # every third case: reduce to a root; the others keep their input
+            pg.reduce(a, dst=dst, op=op)
+            ok = a.tobytes() == (expect if me == dst else inputs[me]).tobytes()
+        else:
+            pg.all_reduce(a, op)
+            ok = a.tobytes() == expect.tobytes()
+            digest.append(a.tobytes())
+        if not ok:
+            failures.append(f"{'reduce' if i % 3 == 2 else 'all_reduce'} {dt} x {count} "
+                            f"{op.name} on rank {me}")
+        if i % 17 == 0:  # another collective in between: banks stay consistent
+            out = np.empty(2 * n, np.int64)
+            pg.all_gather(out, np.full(2, me, np.int64))
+            if out.tolist() != [r for r in range(n) for _ in range(2)]:
+                failures.append(f"all_gather after case {i} on rank {me}: {out.tolist()}")
+    pg.close()
+    return failures, hashlib.sha256(b"".join(digest)).hexdigest()
+
+
+
+def test_reduce_paths_default_chunk_match_the_reference_bitwise():
+    """Default 1 MiB slot: the one-phase path up to 32 KiB and the pipelined path above
+    (one chunk, two chunks, odd tails), at 2 and 3 ranks (3: uneven pieces)."""
+    from backends.shm.reduce import SMALL_REDUCE_BYTES
+    large = (SMALL_REDUCE_BYTES // 4 + 1, 400_001, 2 * 174_752 + 5)
+    for n in (2, 3):
+        results = collectives.spawn(_check_reduce_paths, n, args=(SMALL_REDUCE_BYTES, large),
+                                    backend="shm", timeout=120)
+        assert all(not f for f, _ in results), [f for f, _ in results]
+        assert len({d for _, d in results}) == 1, "ranks hold different all_reduce bits"
+
+
+def test_reduce_paths_tiny_slots_many_chunks():
+    """A 4 KiB slot: the small path ends at the slot size and the pipelined one runs many
+    chunks whose last pieces are short or empty (4 ranks: 5 parts per slot)."""
+    env = {"COLLECTIVES_SHM_CHUNK_BYTES": "4096", "COLLECTIVES_SHM_RING_BYTES": "8192"}
+    large = (1025, 3001, 10_007)
+    for n in (2, 4):
+        results = collectives.spawn(_check_reduce_paths, n, args=(4096, large),
+                                    backend="shm", timeout=180, env=env)
+        assert all(not f for f, _ in results), [f for f, _ in results]
+        assert len({d for _, d in results}) == 1, "ranks hold different all_reduce bits"
+
+
+def _mismatch_in_the_pipelined_path():
+    pg = collectives.init_process_group(timeout=20)
+    a = np.ones(100_000 + pg.rank, np.float32)   # > 32 KiB: the pipelined path
+    try:
+        pg.all_reduce(a)
+    except collectives.CollectiveMismatch as exc:
+        return ("mismatch", str(exc))
+    except collectives.PeerError as exc:  # the peer saw the mismatch first
+        return ("peer", str(exc))
+    finally:
+        pg.close()
+    return None
+
+
+def test_pipelined_path_detects_a_size_mismatch():
+    results = collectives.spawn(_mismatch_in_the_pipelined_path, 2, backend="shm", timeout=30)
+    assert all(results), results
+    texts = [text for kind, text in results if kind == "mismatch"]
+    assert texts, results
+    assert "all_reduce (seq 0)" in texts[0], texts
+    assert "400000 bytes" in texts[0] and "400004 bytes" in texts[0], texts

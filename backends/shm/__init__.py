@@ -16,6 +16,9 @@ How it works, module by module:
   every shared word has one writer). Messages larger than a slot are chunked, so any size
   runs in a fixed footprint. Reductions combine inputs in rank order through
   ``collectives.reduce_op``: bitwise-identical results on every rank.
+- ``reduce``: all_reduce and reduce: one phase for small messages; above 32 KiB a
+  reduce-scatter + all-gather pipelined one chunk per phase, each rank reducing its piece
+  straight from its own array and the peers' slots (a single copy in).
 - ``channels``: point to point, one byte ring per ordered pair of ranks, MPI-style tag
   matching with an unexpected-message queue.
 - ``group``: ``ShmGroup`` itself (waits, errors, sub-groups, lifetime).

@@ -34,6 +34,7 @@ from . import segment as sg
 from .channels import Engine, SendOp
 from .futex import Doorbells, wait_mode
 from .ops import CollectiveOps, dtype_code, dtype_name
+from .reduce import ReduceOps
 
 #: Bytes per data slot (the staging chunk); a message larger than this is chunked.
 CHUNK_ENV = "COLLECTIVES_SHM_CHUNK_BYTES"
@@ -84,7 +85,7 @@ class _P2PWork(Work):
         return op.done
 
 
-class ShmGroup(CollectiveOps, ProcessGroup):
+class ShmGroup(ReduceOps, CollectiveOps, ProcessGroup):
     """Ranks of one host communicating through one POSIX shared-memory segment."""
 
     backend = "shm"
@@ -142,6 +143,7 @@ class ShmGroup(CollectiveOps, ProcessGroup):
         self._slots = [[seg.bytes[lay.slot_off(b, r):lay.slot_off(b, r) + lay.chunk]
                         for r in range(size)] for b in (0, 1)]
         self._typed: dict = {}
+        self._small_cache: dict = {}
         self._broken: Optional[BaseException] = None
         self._op_name = ""
         self._op_seq = -1
@@ -168,13 +170,17 @@ class ShmGroup(CollectiveOps, ProcessGroup):
                                                                            sg.STATE_CLOSED),
                     check_pid: bool) -> None:
         state = self._u64[self._state_idx[r]] if self._u64 is not None else sg.STATE_CLOSED
-        where = self._where(what) + (f" (seq {seq})" if seq >= 0 else "")
         if state in fatal_states:
             how = "closed the group" if state == sg.STATE_CLOSED else \
                 "failed in a collective (see its own error)"
-            raise PeerError(f"{where}: rank {r} {how}", peer=r)
+            raise PeerError(f"{self._where_seq(what, seq)}: rank {r} {how}", peer=r)
         if check_pid and self._pid_checkable[r] and not sg.pid_alive(self._pids[r]):
-            raise PeerError(f"{where}: rank {r} (pid {self._pids[r]}) died", peer=r)
+            raise PeerError(f"{self._where_seq(what, seq)}: rank {r} (pid {self._pids[r]}) "
+                            f"died", peer=r)
+
+    def _where_seq(self, what: str, seq: int) -> str:
+        # Built only when raising: _check_peer runs on every slow wait.
+        return self._where(what) + (f" (seq {seq})" if seq >= 0 else "")
 
     def _backoff(self, stage: list, deadline: float, expected_bell: int) -> None:
         """One step of waiting: spin, then yield, then sleep in the kernel.
@@ -322,6 +328,7 @@ class ShmGroup(CollectiveOps, ProcessGroup):
                 pass
             self._engine.close()
             self._typed.clear()
+            self._small_cache.clear()
             self._slots = []
             self._u64 = None
             seg.close()

@@ -55,9 +55,6 @@ _REDOP_CODE = {ReduceOp.SUM: 1, ReduceOp.AVG: 2, ReduceOp.PRODUCT: 3, ReduceOp.M
 _REDOP_NAME = {v: k.name for k, v in _REDOP_CODE.items()}
 _REDOP_BY_ID = {id(k): v for k, v in _REDOP_CODE.items()}  # Enum.__hash__ is Python code
 
-#: all_reduce/reduce up to this many bytes take one phase (every rank reduces all n
-#: inputs); larger ones take two per chunk (each rank reduces 1/n, then all copy out).
-SMALL_REDUCE_BYTES = 32 << 10
 _ALIGN = 64
 
 
@@ -161,18 +158,24 @@ class CollectiveOps:
         try:
             fn(*args)
         except BaseException as exc:
-            if self._seg is not None and self._broken is None:
-                self._broken = exc
-                try:
-                    from . import segment as sg
-                    q = self._phase
-                    if self._u64[self._me_arrived] == q:
-                        i = self._fp_idx[q & 1][self.rank]
-                        self._u64[i] = OP_FAILED | (self._fp0 & ~0xF)
-                    self._mark(sg.STATE_FAILED)
-                except Exception:  # noqa: BLE001 - report the original error
-                    pass
+            self._fail(exc)
             raise
+
+    def _fail(self, exc: BaseException) -> None:
+        """Record ``exc`` as the group's failure and tell the peers (best effort): over a
+        phase this rank already published, its fingerprint becomes OP_FAILED, so a peer
+        arriving later raises PeerError instead of completing with it."""
+        if self._seg is not None and self._broken is None:
+            self._broken = exc
+            try:
+                from . import segment as sg
+                q = self._phase
+                if self._u64[self._me_arrived] == q:
+                    i = self._fp_idx[q & 1][self.rank]
+                    self._u64[i] = OP_FAILED | (self._fp0 & ~0xF)
+                self._mark(sg.STATE_FAILED)
+            except Exception:  # noqa: BLE001 - report the original error
+                pass
 
     def _piece_elems(self, itemsize: int) -> int:
         """Elements of one of the n pieces of a slot (64-byte aligned)."""
@@ -211,68 +214,6 @@ class CollectiveOps:
             lo = hi
             if lo >= total:
                 break
-
-    # -------------------------------------------------------------- all_reduce
-    def _all_reduce(self, a: np.ndarray, op: ReduceOp, seq: int) -> None:
-        if self.size == 1:
-            finish(op, a, 1)
-            return
-        self._guard(self._reduce_impl, a.reshape(-1), op, seq, None)
-
-    def _reduce(self, a: np.ndarray, dst: int, op: ReduceOp, seq: int) -> None:
-        if self.size == 1:
-            finish(op, a, 1)
-            return
-        self._guard(self._reduce_impl, a.reshape(-1), op, seq, dst)
-
-    def _reduce_impl(self, a: np.ndarray, op: ReduceOp, seq: int, dst: Optional[int]) -> None:
-        """all_reduce (``dst`` None) or reduce to ``dst``."""
-        n, me, dt = self.size, self.rank, a.dtype
-        self._start(OP_ALL_REDUCE if dst is None else OP_REDUCE, seq, dt, a.nbytes,
-                    -1 if dst is None else dst, op)
-        gets_result = dst is None or dst == me
-        if a.nbytes <= min(SMALL_REDUCE_BYTES, self._S):
-            # One phase: everybody's input in its slot; reduce all n in rank order.
-            q = self._enter()
-            slots = self._views(dt)[q & 1]
-            count = a.size
-            slots[me][:count] = a
-            self._exchange(q)
-            if gets_result:
-                a[...] = slots[0][:count]
-                for r in range(1, n):
-                    combine_into(op, a, slots[r][:count])
-                finish(op, a, n)
-            return
-        # Two phases per chunk: reduce-scatter inside the chunk, then gather.
-        E = self._S // a.itemsize
-        align = max(1, _ALIGN // a.itemsize)
-        total = a.size
-        lo = 0
-        while lo < total:
-            hi = min(total, lo + E)
-            C = hi - lo
-            part = ((C + n - 1) // n + align - 1) // align * align
-            q = self._enter()
-            b = q & 1
-            self._sv(b, me, dt)[:C] = a[lo:hi]
-            self._exchange(q)
-            k0, k1 = min(C, me * part), min(C, (me + 1) * part)
-            nb = b ^ 1  # bank of phase q+1: every rank is past q-1, nobody reads it
-            if k1 > k0:
-                acc = self._sv(nb, me, dt)[k0:k1]
-                acc[...] = self._sv(b, 0, dt)[k0:k1]
-                for r in range(1, n):
-                    combine_into(op, acc, self._sv(b, r, dt)[k0:k1])
-                finish(op, acc, n)
-            q = self._enter()
-            self._exchange(q)
-            if gets_result:
-                for r in range(n):
-                    k0, k1 = min(C, r * part), min(C, (r + 1) * part)
-                    if k1 > k0:
-                        a[lo + k0:lo + k1] = self._sv(nb, r, dt)[k0:k1]
-            lo = hi
 
     # ----------------------------------------------------------- gather family
     def _all_gather(self, out: np.ndarray, inp: np.ndarray, seq: int) -> None:
