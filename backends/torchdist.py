@@ -13,12 +13,15 @@ picks a free port); under torchrun, whose agent already serves that port
 (``TORCHELASTIC_USE_AGENT_STORE=True``, the default since torch 2.4), every rank is a
 client. Keys live under ``collectives/<restart>/world<k>/``, ``k`` counting the worlds this
 process opened on that store, and a sub-group's under its parent's prefix plus its members
-and instance number. A gloo group is returned only after a barrier over it, so that no
-rank can close it (or exit) while a peer is still finishing its handshake.
+and instance number. A store is released when the last group on it closes (``_Meeting``:
+a lease on the store keeps rank 0 from stopping a server that another rank still uses,
+or has already joined again for the next world at the same port). A gloo group is
+returned only after a barrier over it, so that no rank can close it (or exit) while a
+peer is still finishing its handshake.
 
-Every collective is torch's own (``allreduce``, ``_allgather_base``, ``_reduce_scatter_base``,
-``alltoall_base``, ...) on the caller's memory: a contiguous CPU tensor goes to c10d as it
-is (``TorchGroup._to_host``), a numpy array as a zero-copy ``torch.from_numpy`` view, the
+Every collective is torch's own (``allreduce``, ``_allgather_base``, ``alltoall_base``,
+...) on the caller's memory: a contiguous CPU tensor goes to c10d as it is
+(``TorchGroup._to_host``), a numpy array as a zero-copy ``torch.from_numpy`` view, the
 rest staged by the base class. gloo runs operations on two worker threads, as torch
 configures it; an operation whose memory overlaps that of an async operation still in
 flight (one of them writing) first waits for it, so two async all_reduces of one tensor
@@ -33,8 +36,10 @@ buckets) overlap. Where the library lacks something, a small correct step fills 
   (broadcast, gathers, scatter, all_to_all, send/recv) moves raw bytes, so every dtype
   (``bool``, ``int16``, ``bfloat16``) travels unchanged.
 - gloo's ``reduce`` uses the non-root inputs as scratch, so non-root ranks pass a copy.
-- ``reduce_scatter`` falls back to ``allreduce`` of a copy and a slice when the build has
-  no ``_reduce_scatter_base``.
+- ``reduce_scatter`` on gloo is ``allreduce`` of a copy and a slice (gloo's own
+  reduce-scatter work cannot be waited for with a timeout: see
+  ``TorchGroup._native_reduce_scatter``); NCCL's is ``_reduce_scatter_base``, falling back
+  to the same when the build has none.
 - send/recv tags: c10d takes a C ``int``; user tags (< 2**31) pass unchanged, the 63-bit
   tags of the library's send/recv algorithms (``p2p:gloo``) are folded into
   [2**30, 2**31), so only those runs share tags with user tags above 2**30.
@@ -60,9 +65,12 @@ NCCL ignores send/recv tags: messages between a pair match in posting order.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import datetime
 import os
 import re
+import secrets
+import socket
 import threading
 import time
 import warnings
@@ -119,6 +127,13 @@ _REDUCE_SCATTER_OPTS = {op: _options(dist.ReduceScatterOptions, reduceOp=c)
                         for op, c in _C10D_OP.items()}
 _ALLTOALL_OPTS = dist.AllToAllOptions()
 _BARRIER_OPTS = dist.BarrierOptions()
+#: How often a blocking wait on gloo looks for peers that died on this host: gloo tells
+#: only the ranks connected to the dead one in the current operation; the others would
+#: wait for the whole group timeout.
+_WATCH_INTERVAL = datetime.timedelta(seconds=0.5)
+#: After a timeout, how long to wait for the other ranks to report theirs (the ranks
+#: that do not are named as missing).
+_TIMEOUT_REPORT_GRACE = 1.0
 
 
 # ---------------------------------------------------------------------------- tensors
@@ -248,7 +263,7 @@ class TorchWork(Work):
                 return
             try:
                 for w in self._works:
-                    w.wait()
+                    self._group._wait(w, self._op, self._seq, self._peer)
                 for then in self._thens:
                     then()
                 for b in self._buffers:
@@ -292,19 +307,28 @@ class TorchGroup(ProcessGroup):
 
     backend = "gloo"
     #: Use c10d's ``_reduce_scatter_base``; False (or a build without it) runs
-    #: all_reduce of a copy and keeps this rank's slice.
-    _native_reduce_scatter = True
+    #: all_reduce of a copy and keeps this rank's slice. False on gloo: its
+    #: ``_reduce_scatter_base`` (and list ``reduce_scatter``) work ignores
+    #: ``wait(timeout)`` and reports ``is_completed()`` only after a plain ``wait()``, so
+    #: neither the dead-peer watch of `_wait` nor ``Work.is_completed()``/
+    #: ``wait(timeout)`` could see it finish. gloo's all_reduce work can be watched, and
+    #: costs the same here (2 and 4 ranks, 4 KiB and 4 MiB per rank: within 10 % of
+    #: ``_reduce_scatter_base``, either way round).
+    _native_reduce_scatter = False
 
-    def __init__(self, rank: int, size: int, *, timeout: float, c10d: Any, store: Any,
-                 prefix: str) -> None:
+    def __init__(self, rank: int, size: int, *, timeout: float, c10d: Any,
+                 store: "_Meeting", prefix: str) -> None:
         super().__init__(rank, size, timeout=timeout)
         self._pg = c10d
-        self._store = store
+        self._meeting: Optional[_Meeting] = store  # released (once) by _close
+        self._store = store.store
         self._prefix = prefix
         self._tls = threading.local()
         self._inflight: dict[TorchWork, None] = {}
         self._inflight_lock = threading.Lock()
-        _OPEN_GROUPS.add(self)
+        #: Group rank -> process id, for the ranks on this host (see `_dead_peers`).
+        self._local_pids: dict[int, int] = self._exchange_pids()
+        _OPEN_GROUPS.add(self)  # only now: a failed constructor's caller releases the store
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -324,22 +348,38 @@ class TorchGroup(ProcessGroup):
     @classmethod
     def _connect(cls, rendezvous: Rendezvous, timeout: float, **extra: Any) -> "TorchGroup":
         rank, size = rendezvous.rank, rendezvous.world_size
-        store, prefix = _world_store(rendezvous, timeout)
+        meeting, prefix = _world_store(rendezvous, timeout)
         where = _where(rank, size, f"init_process_group(backend={cls.backend!r})")
-        c10d = _construct(lambda: cls._make_c10d(dist.PrefixStore(prefix, store), rank, size,
-                                                 timeout, **extra), where, timeout)
-        return cls(rank, size, timeout=timeout, c10d=c10d, store=store, prefix=prefix, **extra)
+        try:
+            c10d = _construct(lambda: cls._make_c10d(dist.PrefixStore(prefix, meeting.store),
+                                                     rank, size, timeout, **extra),
+                              where, timeout)
+            group = cls(rank, size, timeout=timeout, c10d=c10d, store=meeting, prefix=prefix,
+                        **extra)
+        except BaseException:
+            meeting.release(linger=False)
+            raise
+        _release_idle_stores()  # every rank is past its previous world: see _Meeting
+        return group
 
     def _new_group(self, ranks: tuple[int, ...], instance: int) -> "TorchGroup":
         prefix = f"{self._prefix}{'.'.join(map(str, ranks))}#{instance}/"
         rank, size = ranks.index(self.rank), len(ranks)
         where = f"{self._where('new_group')}({list(ranks)})"
         extra = self._sub_group_extra()
-        c10d = _construct(lambda: self._make_c10d(dist.PrefixStore(prefix, self._store), rank,
-                                                  size, self.timeout, **extra),
-                          where, self.timeout)
-        return type(self)(rank, size, timeout=self.timeout, c10d=c10d, store=self._store,
-                          prefix=prefix, **extra)
+        meeting = self._meeting
+        if meeting is None or self._store is None:
+            raise CollectiveError(f"{where}: the group is closed")
+        meeting.acquire()  # the sub-group shares its parent's store
+        try:
+            c10d = _construct(lambda: self._make_c10d(dist.PrefixStore(prefix, self._store),
+                                                      rank, size, self.timeout, **extra),
+                              where, self.timeout)
+            return type(self)(rank, size, timeout=self.timeout, c10d=c10d, store=meeting,
+                              prefix=prefix, **extra)
+        except BaseException:
+            meeting.release(linger=False)
+            raise
 
     def _sub_group_extra(self) -> dict:
         return {}
@@ -376,6 +416,69 @@ class TorchGroup(ProcessGroup):
     def _describe(self, op: str, seq: int) -> str:
         return f"{self._where(op)} (seq {seq})" if seq >= 0 else self._where(op)
 
+    # ------------------------------------------------------------- failure diagnosis
+    def _exchange_pids(self) -> dict[int, int]:
+        """Every member publishes ``host pid`` in the store; returns group rank -> pid
+        of the other members on this host (empty for a world of one or NCCL, whose
+        waits are not watched). Lets a rank name a peer that died (`_dead_peers`)."""
+        if self.size == 1 or self.backend != "gloo" or self._store is None:
+            return {}
+        key = f"{self._prefix}collectives-pid/"
+        host = socket.gethostname()
+        self._store.set(f"{key}{self.rank}", f"{host} {os.getpid()}")
+        pids = {}
+        for r in range(self.size):
+            if r != self.rank:
+                peer_host, _, pid = self._store.get(f"{key}{r}").decode().rpartition(" ")
+                if peer_host == host:
+                    pids[r] = int(pid)
+        return pids
+
+    def _dead_peers(self) -> list[int]:
+        """Group ranks on this host whose process has ended."""
+        return [r for r, pid in self._local_pids.items() if not _process_alive(pid)]
+
+    def _wait(self, w: Any, op: str, seq: int, peer: int = -1) -> None:
+        """``w.wait()``, raising :class:`PeerError` as soon as a member of the group on
+        this host dies (checked every ``_WATCH_INTERVAL``)."""
+        if not self._local_pids:
+            w.wait()
+            return
+        while True:
+            try:
+                w.wait(_WATCH_INTERVAL)
+                return
+            except RuntimeError as exc:
+                if "Operation timed out!" not in str(exc):
+                    raise  # gloo's own error (or its group timeout): see _translate
+                dead = self._dead_peers()
+                if dead:
+                    # gloo still runs it and holds its tensors: if its thread dropped the
+                    # last reference while the interpreter exits, the process would abort.
+                    _keep_forever(w)
+                    raise PeerError(f"{self._describe(op, seq)}: rank {dead[0]} died "
+                                    f"(its process {self._local_pids[dead[0]]} has ended)",
+                                    peer=dead[0]) from None
+
+    def _timed_out_with(self, seq: int) -> list[int]:
+        """After a timeout in collective ``seq``: the ranks that did not report a timeout
+        in it too within ``_TIMEOUT_REPORT_GRACE`` (they never arrived). Through the
+        store; empty when the store cannot be reached."""
+        store = self._store
+        if store is None or self.size == 1:
+            return []
+        key = f"{self._prefix}collectives-timeout/{seq}/"
+        try:
+            store.set(f"{key}{self.rank}", "1")
+            deadline = time.monotonic() + _TIMEOUT_REPORT_GRACE
+            while True:
+                missing = [r for r in range(self.size) if not store.check([f"{key}{r}"])]
+                if not missing or time.monotonic() >= deadline:
+                    return missing
+                time.sleep(0.05)
+        except RuntimeError:  # the store's host is gone
+            return []
+
     def _c10d(self, op: str) -> Any:
         if self._pg is None:
             raise CollectiveError(f"{self._where(op)}: the group is closed")
@@ -388,8 +491,28 @@ class TorchGroup(ProcessGroup):
         where = self._describe(op, seq)
         detail = _first_line(exc)
         low = detail.lower()
-        if "pair closure" in low:
-            error: BaseException = CollectiveTimeout(
+        dead = self._dead_peers()
+        if not dead and self._local_pids and any(s in low for s in _PEER_GONE):
+            # The kernel closes a killed process's sockets before it has ended: give it
+            # a moment, so that the error names the rank.
+            deadline = time.monotonic() + 0.5
+            while not dead and time.monotonic() < deadline:
+                time.sleep(0.01)
+                dead = self._dead_peers()
+        missing = self._timed_out_with(seq) if not dead and seq >= 0 and (
+            "timed out" in low or "timeout" in low) and "pair closure" not in low else []
+        if dead:
+            error: BaseException = PeerError(
+                f"{where}: rank {dead[0]} died (its process {self._local_pids[dead[0]]} "
+                f"has ended): {detail}", peer=dead[0])
+        elif missing:
+            names = ", ".join(map(str, missing))
+            error = CollectiveTimeout(
+                f"{where}: did not complete within the group timeout of {self.timeout:g} s: "
+                f"rank{'s' if len(missing) > 1 else ''} {names} did not arrive ({detail})",
+                op=op, seq=seq, missing=missing)
+        elif "pair closure" in low:
+            error = CollectiveTimeout(
                 f"{where}: an earlier operation of this group timed out and gloo closed its "
                 f"connections; the group cannot be used any more ({detail})",
                 op=op, seq=seq)
@@ -443,7 +566,7 @@ class TorchGroup(ProcessGroup):
         if not async_op:  # the common case, kept short: wait, finish, write back
             try:
                 for w in launch.works:
-                    w.wait()
+                    self._wait(w, op, seq)
                 for then in launch.thens:
                     then()
             except RuntimeError as exc:
@@ -619,11 +742,23 @@ class TorchGroup(ProcessGroup):
                 except Exception:  # noqa: BLE001 - close() must not raise for old errors
                     pass
         pg, self._pg = self._pg, None
+        meeting, self._meeting = self._meeting, None
         self._store = None
         self._tls = threading.local()  # noted arguments: no reason to keep them alive
-        if pg is not None:
+        broken = pg is not None and bool(self._dead_peers())
+        if broken:
+            # A member died: gloo's threads may still be blocked in an operation this
+            # rank gave up on (see _wait) until the group timeout, and the destructor
+            # would wait for them. The group is broken anyway: keep it to the end of
+            # the process (its threads and sockets end with it), close() returns now.
+            _keep_forever(pg)
+        elif pg is not None:
             _shutdown(pg)
             del pg  # the destructor joins gloo's threads (the GIL is released meanwhile)
+        if meeting is not None:
+            # After the c10d group (which holds the store too) is gone. A broken world's
+            # store is not waited for: its dead members never give theirs back.
+            meeting.release(broken=broken)
 
 
 class NcclGroup(TorchGroup):
@@ -635,6 +770,9 @@ class NcclGroup(TorchGroup):
     """
 
     backend = "nccl"
+    #: NCCL's reduce-scatter moves (n-1)/n of the data all_reduce does, and its waits
+    #: are not watched (see `_exchange_pids`).
+    _native_reduce_scatter = True
 
     def __init__(self, rank: int, size: int, *, timeout: float, c10d: Any, store: Any,
                  prefix: str, device: torch.device) -> None:
@@ -718,14 +856,127 @@ def _nccl_usable() -> bool:
 
 
 # ---------------------------------------------------------------------------- helpers
-#: One store client (or server) per meeting point and process, and how many worlds this
-#: process opened on it (the next world's key prefix).
-_STORES: dict[tuple, Any] = {}
+#: The store of each meeting point this process uses (shared by the groups on it), and
+#: how many worlds this process opened there (the next world's key prefix; kept when the
+#: store is released, so that a later world there never meets stale keys).
+_STORES: dict[tuple, "_Meeting"] = {}
 _WORLD_COUNTS: dict[tuple, int] = {}
-_STORES_LOCK = threading.Lock()
+_STORES_LOCK = threading.RLock()
+
+#: Keys of the lease protocol (see `_Meeting`), on the store served by rank 0.
+_LEASE_KEY = "collectives/lease/state"
+_JOINED_KEY = "collectives/lease/joined"
+#: How long the serving rank waits, at its last close, for the other ranks to give the
+#: store back before it keeps the store for a later try (see `_release_idle_stores`).
+_LINGER_S = 2.0
 
 
-def _world_store(rendezvous: Rendezvous, timeout: float) -> tuple[Any, str]:
+class _Meeting:
+    """One c10d store of a meeting point, counted: every group on it (a world and its
+    sub-groups) holds one reference, and the store is released when the last one closes,
+    so a process that meets at many ports keeps no socket or thread for the closed ones.
+
+    Where rank 0 serves the store (not under torchrun, whose agent serves it for the
+    whole job), it must not stop its server while another rank still uses it, nor after
+    another rank has already connected to it again for the next world at the same port
+    (that rank's world would break). A lease on the store itself ensures both: its value
+    is the number of clients holding the store (with a nonce, so that a compare-and-set
+    that lost a race is told from one that won), or ``closed``. A client counts itself
+    in when it connects and out when it releases, both by compare-and-set; one that
+    finds ``closed`` reconnects, and so reaches the server rank 0 starts for the next
+    world. Rank 0, at its last close, turns a count of 0 into ``closed`` and stops the
+    server; with clients still counted it keeps the store for its next world if one of
+    them joined for that world already (``joined<k>``), else waits up to ``_LINGER_S``
+    for them to release theirs.
+    """
+
+    def __init__(self, key: tuple, store: Any, *, serving: bool, leased: bool) -> None:
+        self.key, self.store = key, store
+        self.serving = serving  # rank 0 serves it (and runs the protocol's server side)
+        self.leased = leased    # a client holding a lease on rank 0's server
+        self.users = 0          # groups of this process using it
+
+    def acquire(self) -> None:
+        with _STORES_LOCK:
+            self.users += 1
+
+    def release(self, *, linger: bool = True, broken: bool = False) -> None:
+        """One group on the store is gone; at the last one, release the store as the
+        protocol allows (``linger=False``: without waiting for the other ranks;
+        ``broken``: a member died, so without a word to the store: dead ranks never
+        give theirs back, and the server may be gone)."""
+        with _STORES_LOCK:
+            self.users -= 1
+            if self.users > 0:
+                return
+            if broken or not self.serving:
+                if self.leased and not broken:
+                    try:
+                        while True:
+                            raw, holders = _lease(self.store)
+                            if not holders or _set_lease(self.store, raw, holders - 1):
+                                break
+                    except RuntimeError:  # the server is gone already
+                        pass
+                self._forget()
+            elif self._stop_server(_LINGER_S if linger else 0.0):
+                self._forget()
+            # else: kept with no user; reused by the next world here, or stopped by
+            # _release_idle_stores once the other ranks gave it back
+
+    def _stop_server(self, linger_s: float) -> bool:
+        """Whether rank 0's server may go now: no client holds it, and the lease now says
+        ``closed`` to those that connect later. Polls up to ``linger_s`` seconds (the
+        global lock is held meanwhile: a world opening in another thread waits)."""
+        deadline = time.monotonic() + linger_s
+        nxt = f"{_JOINED_KEY}{_WORLD_COUNTS.get(self.key, 0)}"
+        try:
+            while True:
+                raw, holders = _lease(self.store)
+                if holders is None:
+                    return True
+                if holders == 0:
+                    if _set_lease(self.store, raw, None):
+                        return True
+                    continue  # a client joined meanwhile
+                if self.store.check([nxt]) or time.monotonic() >= deadline:
+                    return False  # wanted for the next world, or not given back yet
+                time.sleep(0.005)
+        except RuntimeError:  # the store broke: nothing to protect any more
+            return True
+
+    def _forget(self) -> None:
+        if _STORES.get(self.key) is self:
+            del _STORES[self.key]
+        self.store = None  # the server (or client) goes with the last reference
+
+
+def _lease(store: Any) -> tuple[bytes, Optional[int]]:
+    """The lease of rank 0's server (see `_Meeting`): (its raw value, the number of
+    clients holding the store, or None once ``closed``). Created at 0 if missing."""
+    raw = store.compare_set(_LEASE_KEY, "", "0 -")
+    return raw, None if raw == b"closed" else int(raw.split()[0])
+
+
+def _set_lease(store: Any, raw: bytes, holders: Optional[int]) -> bool:
+    """Compare-and-set the lease from ``raw`` to ``holders`` (None: ``closed``); whether
+    this call set it (the nonce tells it from a racing client that set the same count)."""
+    new = b"closed" if holders is None else f"{holders} {secrets.token_hex(6)}".encode()
+    return store.compare_set(_LEASE_KEY, raw, new) == new
+
+
+def _release_idle_stores() -> None:
+    """Try again to stop rank 0's servers of meeting points whose groups all closed
+    while other ranks still held the store (no waiting)."""
+    with _STORES_LOCK:
+        for meeting in list(_STORES.values()):
+            if meeting.users == 0 and meeting.serving and meeting._stop_server(0.0):
+                meeting._forget()
+
+
+def _world_store(rendezvous: Rendezvous, timeout: float) -> tuple[_Meeting, str]:
+    """The store of ``rendezvous``'s meeting point (one reference taken for the caller's
+    world) and the key prefix of that world."""
     rank, size = rendezvous.rank, rendezvous.world_size
     if rendezvous.master_port is None:
         if size != 1:
@@ -736,18 +987,28 @@ def _world_store(rendezvous: Rendezvous, timeout: float) -> tuple[Any, str]:
     else:
         key = (rendezvous.master_addr or "127.0.0.1", rendezvous.master_port)
     with _STORES_LOCK:
-        store = _STORES.get(key)
-        if store is None:
-            store = _STORES[key] = _open_store(key, rendezvous, timeout)
         count = _WORLD_COUNTS.get(key, 0)
+        meeting = _STORES.get(key)
+        if meeting is None:
+            meeting = _STORES[key] = _open_store(key, rendezvous, timeout)
+        meeting.acquire()
         _WORLD_COUNTS[key] = count + 1
+        if meeting.leased:  # tells rank 0, if it is closing world count-1, to keep it
+            try:
+                _construct(lambda: meeting.store.set(f"{_JOINED_KEY}{count}", "1"),
+                           _where(rank, size, "init_process_group"), timeout)
+            except BaseException:
+                meeting.release(linger=False)
+                raise
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return store, f"collectives/{restart}/world{count}/"
+    return meeting, f"collectives/{restart}/world{count}/"
 
 
-def _open_store(key: tuple, rendezvous: Rendezvous, timeout: float) -> Any:
+def _open_store(key: tuple, rendezvous: Rendezvous, timeout: float) -> _Meeting:
+    """Connect to (or serve) the store of meeting point ``key``; a client of rank 0's
+    server takes a lease on it (see `_Meeting`)."""
     if key[0] == "hash":
-        return dist.HashStore()
+        return _Meeting(key, dist.HashStore(), serving=False, leased=False)
     addr, port = key
     # Under torchrun the agent serves MASTER_PORT already: everyone is a client then
     # (collectives.spawn run inside a torchrun worker picks a port of its own).
@@ -757,11 +1018,43 @@ def _open_store(key: tuple, rendezvous: Rendezvous, timeout: float) -> Any:
     where = _where(rendezvous.rank, rendezvous.world_size, "init_process_group")
     # multi_tenant: torch.distributed.init_process_group("gloo") in this process, on the
     # same port, shares the server instead of failing to bind it (as torch's own does).
-    return _construct(lambda: dist.TCPStore(
-        addr, port, rendezvous.world_size, is_master=serve,
-        timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False,
-        multi_tenant=serve),
-        f"{where}: store at {addr}:{port} ({'serving' if serve else 'client'})", timeout)
+    what = f"{where}: store at {addr}:{port} ({'serving' if serve else 'client'})"
+
+    def connect() -> Any:
+        return _construct(lambda: dist.TCPStore(
+            addr, port, rendezvous.world_size, is_master=serve,
+            timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False,
+            multi_tenant=serve), what, timeout)
+
+    if agent:  # the agent's server lives as long as the job: no lease needed
+        return _Meeting(key, connect(), serving=False, leased=False)
+    if serve:
+        store = connect()
+        # A server shared with torch's own (multi_tenant) outlived our last close.
+        _construct(lambda: store.compare_set(_LEASE_KEY, "closed", "0 -"), what, timeout)
+        return _Meeting(key, store, serving=True, leased=False)
+
+    def join(store: Any) -> bool:
+        while True:
+            raw, holders = _lease(store)
+            if holders is None:
+                return False
+            if _set_lease(store, raw, holders + 1):
+                return True
+
+    deadline = time.monotonic() + timeout
+    while True:
+        store = connect()
+        if _construct(lambda: join(store), what, timeout):
+            return _Meeting(key, store, serving=False, leased=True)
+        # Rank 0 is stopping this server (its previous world closed): reach the one it
+        # starts for this world.
+        del store
+        if time.monotonic() >= deadline:
+            raise CollectiveTimeout(f"{what}: the server of the previous world at this "
+                                    f"port did not go away within {timeout:g} s",
+                                    op="init")
+        time.sleep(0.01)
 
 
 def _construct(make: Callable[[], Any], where: str, timeout: float) -> Any:
@@ -785,6 +1078,28 @@ def _first_line(exc: BaseException) -> str:
     line = text.splitlines()[0] if text else type(exc).__name__
     # gloo prefixes its messages with the C++ source location.
     return re.sub(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", line)
+
+
+def _keep_forever(obj: Any) -> None:
+    """Leak one reference to ``obj`` on purpose, so that it is never destroyed, not even
+    when the interpreter exits: for torch objects whose destructor would block on (or
+    abort in) a gloo thread stuck on a dead peer."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
+def _process_alive(pid: int) -> bool:
+    """True while process ``pid`` runs (a zombie waiting to be reaped has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        try:  # no /proc (not Linux): signal 0 says whether it exists
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            return True
+        return True
 
 
 def _unsupported(exc: BaseException) -> bool:
@@ -813,4 +1128,6 @@ def _close_all_at_exit() -> None:
         except Exception:  # noqa: BLE001 - exiting anyway
             pass
     with _STORES_LOCK:
+        for meeting in list(_STORES.values()):
+            meeting.store = None
         _STORES.clear()

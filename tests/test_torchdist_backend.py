@@ -215,6 +215,7 @@ def check_reduce_scatter(pg):
                                                    ReduceOp.PRODUCT)]
     cases += [(np.dtype(np.int16), ReduceOp.SUM), (BF16, ReduceOp.SUM), (BF16, ReduceOp.AVG),
               (np.dtype(np.float16), ReduceOp.MIN), (np.dtype(np.int64), ReduceOp.SUM)]
+    default = pg._native_reduce_scatter  # False on gloo: all_reduce + slice
     for native in (True, False):  # torch's _reduce_scatter_base, then the fallback
         pg._native_reduce_scatter = native
         for seed, (dtype, op) in enumerate(cases, start=400):
@@ -231,7 +232,7 @@ def check_reduce_scatter(pg):
         pg.reduce_scatter(out, big[r])
         ref = reduce_arrays(ReduceOp.SUM, big)[5000 * r:5000 * (r + 1)]
         expect(np.allclose(out, ref, rtol=1e-5, atol=1e-5), "reduce_scatter random")
-    pg._native_reduce_scatter = True
+    pg._native_reduce_scatter = default
 
 
 def check_all_to_all(pg):
@@ -302,6 +303,28 @@ def check_async(pg):
     w.wait()
     w.wait()  # waiting twice is fine
     expect((late == n).all())
+    # reduce_scatter too (gloo's own reduce-scatter work reported neither before a plain
+    # wait(): its async form never completed, its wait(timeout) could not expire)
+    out = np.zeros(2)
+    if r == n - 1:
+        time.sleep(0.5)
+    w = pg.reduce_scatter(out, np.arange(2.0 * n) + r, async_op=True)
+    if r == 0 and n > 1:
+        try:
+            w.wait(timeout=0.05)
+        except CollectiveTimeout as exc:
+            expect("reduce_scatter" in str(exc), str(exc))
+        else:
+            expect(False, "reduce_scatter wait(timeout=0.05) did not time out with a late peer")
+    deadline = time.monotonic() + 30
+    while not w.is_completed():
+        if time.monotonic() > deadline:
+            expect(False, "reduce_scatter is_completed() never became True")
+            break
+        time.sleep(0.001)
+    expect(out.tolist() == [float(sum(2 * r + k + q for q in range(n))) for k in range(2)],
+           f"async reduce_scatter: {out}")
+    w.wait()
 
 
 def check_point_to_point(pg):
