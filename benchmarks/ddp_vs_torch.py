@@ -1,15 +1,25 @@
-"""Training throughput of parallel.DDP next to torch's own DistributedDataParallel.
+"""Training throughput of parallel.DDP on every backend next to torch's own
+DistributedDataParallel on gloo, in one run.
 
-    python benchmarks/ddp_vs_torch.py                       # ours on shm at 1 and 2 ranks,
-                                                            # torch DDP on gloo at 2 ranks
+    python benchmarks/ddp_vs_torch.py                        # 2 ranks: ours on shm, zmq,
+                                                             # gloo, mpi; torch DDP on gloo
     python benchmarks/ddp_vs_torch.py --world 2,4 --backends shm,zmq --steps 400
+    python benchmarks/ddp_vs_torch.py --json ddp.json
 
-Same model (the examples' MNIST MLP), same per-rank batch of MNIST images, same optimizer
-(SGD with momentum), the same number of compute threads per rank (--threads, default 1,
-so that N ranks use N cores). Each rank times ``--steps`` steps after ``--warmup`` ones;
-a run's time is its slowest rank's, and the best of ``--repeat`` runs is reported (the
-least disturbed by whatever else the machine is doing). ``plain`` is one process without
-any wrapper: the ceiling for world size 1.
+The model and batch of ``examples/ddp.py``: its MNIST MLP (``build_mlp``), 32 images per
+rank per step, SGD with momentum 0.9 and lr 0.05, on the bundled MNIST images; both DDPs
+use buckets of ``--bucket-cap-mb``. Each rank runs ``--warmup`` untimed steps, a barrier,
+then ``--steps`` timed steps; a run's time is its slowest rank's. Every case runs
+``--repeat`` times in fresh processes, the cases taking turns round by round (so that the
+machine's changing load hits them alike), and the median run is reported, as samples per
+second (steps x batch x ranks / time) and as the ratio to torch DDP at the same world size
+(above 1: ours trains faster). ``--threads`` compute threads per rank (default 1, so that N
+ranks use N cores). ``plain`` is one process without any wrapper (``--no-plain`` leaves
+it out): the ceiling of one rank.
+
+Backend ``mpi`` runs under ``mpiexec`` (this script re-executes itself with a hidden
+``--mpi-rank`` flag); without mpiexec or mpi4py it is skipped with the reason, as is any
+backend that is not installed.
 
 This file may import torch.distributed: it is a benchmark, not part of ``parallel/``.
 """
@@ -19,9 +29,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -29,105 +42,198 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import collectives  # noqa: E402
+from collectives.mpiexec import MpiexecUnavailable, find_mpiexec  # noqa: E402
 from examples.common.harness import build_mlp  # noqa: E402
 from examples.common.mnist import load_mnist  # noqa: E402
 
+#: examples/ddp.py's defaults.
+BATCH, LR, SEED = 32, 0.05, 0
+_ROOT = str(Path(__file__).resolve().parent.parent)
 
-def _train(model, rank: int, batch: int, steps: int, warmup: int) -> float:
-    """Seconds for ``steps`` training steps on this rank (after ``warmup`` untimed ones)."""
+
+def _train(model: torch.nn.Module, rank: int, batch: int, steps: int, warmup: int,
+           barrier: Callable[[], None]) -> float:
+    """Seconds for ``steps`` training steps on this rank, after ``warmup`` untimed ones and
+    a barrier (so every rank's clock starts together)."""
     x, y = map(torch.from_numpy, load_mnist(None, "train"))
     gen = torch.Generator().manual_seed(rank)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     batches = [torch.randint(0, len(x), (batch,), generator=gen) for _ in range(16)]
     start = 0.0
     for i in range(warmup + steps):
         if i == warmup:
+            barrier()
             start = time.perf_counter()
         idx = batches[i % len(batches)]
         loss = F.cross_entropy(model(x[idx]), y[idx])
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=False)  # .grad stays a view into DDP's buckets
         loss.backward()
         opt.step()
     return time.perf_counter() - start
 
 
-def run_ours(threads: int, batch: int, steps: int, warmup: int, cap_mb: float) -> float:
+def run_ours(backend: str, threads: int, batch: int, steps: int, warmup: int,
+             cap_mb: float) -> float:
+    """One rank of parallel.DDP on ``backend``; returns the slowest rank's seconds."""
+    from collectives import ReduceOp
     from parallel import DDP
     torch.set_num_threads(threads)
-    pg = collectives.init_process_group()
-    model = DDP(build_mlp(0), pg, bucket_cap_mb=cap_mb)
-    pg.barrier()
-    seconds = _train(model, pg.rank, batch, steps, warmup)
+    pg = collectives.init_process_group(backend, timeout=300)
+    model = DDP(build_mlp(SEED), pg, bucket_cap_mb=cap_mb)
+    seconds = torch.tensor([_train(model, pg.rank, batch, steps, warmup, pg.barrier)],
+                           dtype=torch.float64)
+    pg.all_reduce(seconds, ReduceOp.MAX)
     pg.close()
-    return seconds
+    return float(seconds[0])
 
 
 def run_torch(threads: int, batch: int, steps: int, warmup: int, cap_mb: float) -> float:
+    """One rank of torch's DistributedDataParallel on gloo; the slowest rank's seconds."""
+    import datetime
+
     import torch.distributed as dist
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_* come from collectives.spawn
-    model = torch.nn.parallel.DistributedDataParallel(build_mlp(0), bucket_cap_mb=cap_mb)
-    dist.barrier()
-    seconds = _train(model, dist.get_rank(), batch, steps, warmup)
+    # RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT come from collectives.spawn
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    model = torch.nn.parallel.DistributedDataParallel(build_mlp(SEED), bucket_cap_mb=cap_mb)
+    seconds = torch.tensor([_train(model, dist.get_rank(), batch, steps, warmup,
+                                   dist.barrier)], dtype=torch.float64)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     dist.destroy_process_group()
-    return seconds
+    return float(seconds[0])
 
 
 def run_plain(threads: int, batch: int, steps: int, warmup: int, cap_mb: float) -> float:
+    """One process, no wrapper."""
     torch.set_num_threads(threads)
-    return _train(build_mlp(0), 0, batch, steps, warmup)
+    return _train(build_mlp(SEED), 0, batch, steps, warmup, lambda: None)
 
 
-def main() -> None:
+def _mpiexec() -> tuple[Optional[str], str]:
+    """The mpiexec program, or None and why not."""
+    try:
+        return find_mpiexec(), ""
+    except MpiexecUnavailable as exc:
+        return None, str(exc)
+
+
+def run_mpi(n: int, work: tuple, timeout: float) -> float:
+    """parallel.DDP on the mpi backend, ``n`` ranks started by mpiexec; the slowest rank's
+    seconds (RuntimeError with mpiexec's output if it fails)."""
+    program, why = _mpiexec()
+    if program is None:
+        raise RuntimeError(why)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = str(work[0])
+    command = [program, "-n", str(n), sys.executable, __file__, "--mpi-rank",
+               json.dumps(list(work))]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+    found = [line for line in proc.stdout.splitlines() if line.startswith("SECONDS ")]
+    if proc.returncode != 0 or not found:
+        raise RuntimeError(f"{' '.join(command)} exited with code {proc.returncode}:\n"
+                           f"{(proc.stdout + proc.stderr)[-3000:]}")
+    return float(found[-1].split()[1])
+
+
+def _mpi_rank(work_json: str) -> int:
+    """Body of a rank started by mpiexec (the hidden ``--mpi-rank`` flag)."""
+    seconds = run_ours("mpi", *json.loads(work_json))
+    if collectives.detect_rendezvous().rank == 0:
+        print(f"SECONDS {seconds!r}", flush=True)
+    return 0
+
+
+def _unavailable(backend: str) -> Optional[str]:
+    """Why our DDP cannot run on ``backend`` here, or None."""
+    if backend not in collectives.available_backends():
+        return f"backend {backend!r} is not installed"
+    if backend == "mpi":
+        return _mpiexec()[1] or None
+    return None
+
+
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--world", default="1,2", help="world sizes for parallel.DDP")
-    p.add_argument("--backends", default="shm", help="backends for parallel.DDP")
-    p.add_argument("--torch-world", default="2", help="world sizes for torch DDP on gloo "
-                                                     "('' to skip)")
-    p.add_argument("--batch-size", type=int, default=32, help="per rank")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--world", default="2", help="world sizes, comma separated")
+    p.add_argument("--backends", default="shm,zmq,gloo,mpi",
+                   help="backends for parallel.DDP, comma separated")
+    p.add_argument("--batch-size", type=int, default=BATCH, help="per rank")
+    p.add_argument("--steps", type=int, default=300, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=20, help="untimed steps before them")
     p.add_argument("--threads", type=int, default=1, help="compute threads per rank")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0,
                    help="gradient bucket size of both DDPs (the MLP's gradients are 0.83 MiB: "
                         "below that, several buckets and overlap)")
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=3, help="runs per case; the median is "
+                                                         "reported")
+    p.add_argument("--no-plain", action="store_true", help="leave out the one-process row")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    p.add_argument("--mpi-rank", help=argparse.SUPPRESS)
     a = p.parse_args()
-    sizes = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
-    cases = [("plain", "-", 1)]
-    cases += [("parallel.DDP", b, n) for b in a.backends.split(",") for n in sizes(a.world)]
-    cases += [("torch DDP", "gloo", n) for n in sizes(a.torch_world)]
+    if a.mpi_rank:
+        return _mpi_rank(a.mpi_rank)
+    if a.repeat < 1 or a.steps < 1:
+        p.error("--repeat and --steps must be at least 1")
+
+    worlds = [int(v) for v in a.world.split(",") if v]
+    cases: list[tuple[str, str, int]] = [] if a.no_plain else [("plain", "-", 1)]
+    for backend in (b for b in a.backends.split(",") if b):
+        why = _unavailable(backend)
+        if why:
+            print(f"# parallel.DDP on {backend}: skipped, {why}", flush=True)
+            continue
+        cases += [("parallel.DDP", backend, n) for n in worlds]
+    cases += [("torch DDP", "gloo", n) for n in worlds]
     work = (a.threads, a.batch_size, a.steps, a.warmup, a.bucket_cap_mb)
     env = {"OMP_NUM_THREADS": str(a.threads)}
+    print(f"# examples/ddp.py's MNIST MLP, batch {a.batch_size}/rank, {a.steps} timed steps "
+          f"after {a.warmup}, {a.threads} thread(s)/rank, buckets of {a.bucket_cap_mb} MiB, "
+          f"median of {a.repeat} runs; load average {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} cores", flush=True)
+
+    times: dict[tuple, list[float]] = {case: [] for case in cases}
+    for _ in range(a.repeat):  # round by round: every case once per round
+        for case in cases:
+            impl, backend, n = case
+            if impl == "plain":
+                seconds = run_plain(*work)
+            elif impl == "torch DDP":
+                seconds = collectives.spawn(run_torch, n, args=work, env=env,
+                                            join_timeout=a.timeout)[0]
+            elif backend == "mpi":
+                seconds = run_mpi(n, work, a.timeout)
+            else:
+                seconds = collectives.spawn(run_ours, n, args=(backend, *work), env=env,
+                                            join_timeout=a.timeout)[0]
+            times[case].append(seconds)
 
     rows = []
-    print(f"MNIST MLP, batch {a.batch_size}/rank, {a.steps} steps, {a.threads} thread(s)/rank, "
-          f"buckets of {a.bucket_cap_mb} MiB, "
-          f"best of {a.repeat}; load average {os.getloadavg()[0]:.1f} on "
-          f"{os.cpu_count()} cores", flush=True)
-    for impl, backend, n in cases:
-        times = []
-        for _ in range(a.repeat):
-            if impl == "plain":
-                times.append(run_plain(*work))
-            elif impl == "parallel.DDP":
-                times.append(max(collectives.spawn(run_ours, n, args=work, backend=backend,
-                                                   env=env)))
-            else:
-                times.append(max(collectives.spawn(run_torch, n, args=work, env=env)))
-        best = min(times)
+    for (impl, backend, n), runs in times.items():
+        median = statistics.median(runs)
         rows.append({"impl": impl, "backend": backend, "world_size": n,
-                     "ms_per_step": round(best / a.steps * 1e3, 3),
-                     "samples_per_s": round(a.steps * a.batch_size * n / best, 1)})
-
-    print(f"{'impl':<14}{'backend':<9}{'world':>6}{'ms/step':>10}{'samples/s':>12}")
+                     "steps": a.steps, "batch_per_rank": a.batch_size,
+                     "ms_per_step": median / a.steps * 1e3,
+                     "samples_per_s": a.steps * a.batch_size * n / median,
+                     "samples_per_s_runs": [a.steps * a.batch_size * n / s for s in runs]})
+    torch_rate = {r["world_size"]: r["samples_per_s"] for r in rows if r["impl"] == "torch DDP"}
     for r in rows:
+        if r["world_size"] in torch_rate and r["impl"] != "plain":
+            r["ratio_to_torch_ddp"] = r["samples_per_s"] / torch_rate[r["world_size"]]
+
+    print(f"{'impl':<14}{'backend':<9}{'world':>6}{'ms/step':>10}{'samples/s':>12}"
+          f"{'vs torch DDP':>14}   samples/s of each run")
+    for r in rows:
+        ratio = r.get("ratio_to_torch_ddp")
         print(f"{r['impl']:<14}{r['backend']:<9}{r['world_size']:>6}{r['ms_per_step']:>10.3f}"
-              f"{r['samples_per_s']:>12.1f}")
+              f"{r['samples_per_s']:>12.1f}{'' if ratio is None else f'{ratio:.3f}':>14}   "
+              f"{' '.join(f'{s:.0f}' for s in r['samples_per_s_runs'])}")
     if a.json:
-        Path(a.json).write_text(json.dumps(rows, indent=1))
+        Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -23,12 +23,10 @@ file on the connections and reports ``mpiexec``'s exit status and the end of its
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing.connection
 import os
 import secrets
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -38,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from ..mpiexec import MpiexecUnavailable, find_mpiexec, own_session_dying_with_parent
 from .pool import LauncherUnavailable, Task, serve
 
 #: Seconds to wait for every worker to connect back.
@@ -50,28 +49,13 @@ _ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def mpiexec_program() -> str:
-    """The path of ``mpiexec`` (``$MPIEXEC``, else ``mpiexec``/``mpirun`` on PATH);
+    """The path of ``mpiexec`` (see :func:`collectives.mpiexec.find_mpiexec`);
     :class:`LauncherUnavailable` if there is none or mpi4py is missing."""
-    import importlib.util
+    try:
+        return find_mpiexec()
+    except MpiexecUnavailable as exc:
+        raise LauncherUnavailable(f"the mpi backend {exc}") from None
 
-    if importlib.util.find_spec("mpi4py") is None:
-        raise LauncherUnavailable("the mpi backend needs mpi4py (pip install mpi4py)")
-    for name in filter(None, (os.environ.get("MPIEXEC"), "mpiexec", "mpirun")):
-        path = shutil.which(name)
-        if path:
-            return path
-    raise LauncherUnavailable("no mpiexec or mpirun on PATH (pip install mpich, or set "
-                              "MPIEXEC)")
-
-
-def _term_with_parent() -> None:
-    """In mpiexec (before exec): new session, SIGTERM when the pool's process dies."""
-    os.setsid()
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
-        except OSError:
-            pass
 
 
 class MpiexecWorld:
@@ -178,7 +162,8 @@ def mpiexec_launcher(envs: list[dict[str, str]],
     log = tempfile.NamedTemporaryFile("w+", prefix="collectives-mpiexec-", suffix=".log",
                                       delete=False)
     proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                            stderr=subprocess.STDOUT, preexec_fn=_term_with_parent)
+                            stderr=subprocess.STDOUT,
+                            preexec_fn=own_session_dying_with_parent)
     conns: list = [None] * n
     pids: list[int] = [0] * n
     world = MpiexecWorld(proc, conns, pids, log)

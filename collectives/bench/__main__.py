@@ -1,0 +1,228 @@
+"""``python -m collectives.bench``: nccl-tests style microbenchmarks, peers side by side.
+
+    python -m collectives.bench                                  # all_reduce, shm, 2 ranks
+    python -m collectives.bench --backend zmq --nproc 4 --ops all --sizes 4,64K,16M
+    python -m collectives.bench --peer mpi4py --peer torch-gloo --memcpy --json rows.json
+    python -m collectives.bench --backend mpi --plot busbw.png   # ranks from mpiexec
+
+Exit status: 0 when every result was right, 1 when some element was wrong or a rank
+failed, 2 for a usage error or a missing launcher/library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import sys
+from typing import Optional, Sequence
+
+from .cases import DTYPES, OPS, check_world
+
+#: 4 B to 64 MiB by factors of 4.
+DEFAULT_SIZES = "4,16,64,256,1K,4K,16K,64K,256K,1M,4M,16M,64M"
+_SUFFIX = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
+           "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """``"4"``, ``"4K"``, ``"1M"``, ``"64MiB"`` -> bytes (binary multiples).
+
+    >>> parse_size("64M")
+    67108864
+    """
+    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).upper() not in _SUFFIX:
+        raise argparse.ArgumentTypeError(f"argument --sizes: {text!r} is not a size like "
+                                         f"4, 4K, 1M or 64M")
+    value = int(m.group(1)) * _SUFFIX[m.group(2).upper()]
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"argument --sizes: {text!r} must be at least 1 byte")
+    return value
+
+
+def _sizes(text: str) -> list[int]:
+    return sorted({parse_size(s) for s in text.split(",") if s.strip()})
+
+
+def _ops(text: str) -> list[str]:
+    if text.strip() == "all":
+        return list(OPS)
+    ops = [o.strip() for o in text.split(",") if o.strip()]
+    unknown = [o for o in ops if o not in OPS]
+    if unknown or not ops:
+        raise argparse.ArgumentTypeError(f"argument --ops: unknown {unknown or text!r}; "
+                                         f"choose from {', '.join(OPS)} or 'all'")
+    return list(dict.fromkeys(ops))
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .peers import PEERS
+    p = argparse.ArgumentParser(
+        prog="python -m collectives.bench",
+        description="nccl-tests style benchmarks of a backend's collectives, with the raw "
+                    "peer libraries side by side (time: median over iterations of the "
+                    "slowest rank; #wrong: wrong elements of the checked result).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--backend", default="shm", help="our backend to measure")
+    p.add_argument("--nproc", type=_positive, default=2, help="ranks")
+    p.add_argument("--ops", type=_ops, default="all_reduce",
+                   help=f"comma list of {', '.join(OPS)}, or 'all'")
+    p.add_argument("--sizes", type=_sizes, default=DEFAULT_SIZES,
+                   help="comma list of bytes with optional K/M/G suffixes (binary)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="element type")
+    p.add_argument("--iters", type=_positive, default=50,
+                   help="timed iterations per size (fewer for large sizes: --byte-budget)")
+    p.add_argument("--warmup", type=int, default=5,
+                   help="untimed iterations per size (fewer where --byte-budget cuts the "
+                        "timed ones, in proportion)")
+    p.add_argument("--byte-budget", type=parse_size, default="512M",
+                   help="at most this many bytes in the timed iterations of one size "
+                        "(at least 3 iterations)")
+    p.add_argument("--peer", action="append", default=[], metavar="PEER",
+                   help=f"also run the raw library: {' or '.join(PEERS)} (repeatable or a "
+                        f"comma list)")
+    p.add_argument("--memcpy", action="store_true",
+                   help="also time a single-process copy (np.copyto) of each size, in "
+                        "turn with our backend, and report busbw as a fraction of it")
+    p.add_argument("--json", metavar="FILE", help="write the rows to FILE")
+    p.add_argument("--plot", metavar="FILE", help="draw busbw against size (matplotlib)")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds any one collective may wait before failing")
+    p.add_argument("--job-timeout", type=float, default=1800.0,
+                   help="seconds a whole job (one launcher's ranks) may take")
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # a rank started by mpiexec
+    return p
+
+
+def _peers(values: Sequence[str]) -> list[str]:
+    from .peers import PEERS
+    peers = [v.strip() for value in values for v in value.split(",") if v.strip()]
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        raise ValueError(f"argument --peer: unknown {', '.join(unknown)}; choose from "
+                         f"{', '.join(PEERS)}")
+    return list(dict.fromkeys(peers))
+
+
+class _Usage(Exception):
+    """A usage error or a missing launcher/library: a one-line message, exit status 2."""
+
+
+def _check(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """Everything that can be refused before any rank starts: the peers to run, and notes
+    on the peers left out (a dtype they cannot carry)."""
+    from ..registry import P2P_ONLY_PREFIX, available_backends
+    from .job import MPIEXEC_IMPLS, LauncherMissing, mpiexec_program
+    from .peers import missing_library, unsupported_dtype
+
+    try:
+        peers = _peers(args.peer)
+        check_world(args.dtype, args.nproc)
+    except ValueError as exc:
+        raise _Usage(str(exc)) from None
+    base = args.backend.removeprefix(P2P_ONLY_PREFIX)
+    if base not in available_backends():
+        raise _Usage(f"argument --backend: {args.backend!r} is not available here; "
+                     f"available: {', '.join(available_backends())}")
+    for peer in peers:
+        why = missing_library(peer)
+        if why:
+            raise _Usage(why)
+    notes = [f"{p}: skipped, {unsupported_dtype(p, args.dtype)}" for p in peers
+             if unsupported_dtype(p, args.dtype)]
+    peers = [p for p in peers if not unsupported_dtype(p, args.dtype)]
+    needs_mpiexec = [i for i in [args.backend] + peers if i in MPIEXEC_IMPLS]
+    if needs_mpiexec:
+        try:
+            mpiexec_program()
+        except LauncherMissing as exc:
+            raise _Usage(f"{', '.join(needs_mpiexec)} {exc}") from None
+    if args.plot:
+        from .plot import PlotUnavailable, check_available
+        try:
+            check_available()
+        except PlotUnavailable as exc:
+            raise _Usage(str(exc)) from None
+    return peers, notes
+
+
+def _run(args: argparse.Namespace, peers: list[str]) -> tuple[list[dict], list[str]]:
+    """Every implementation's rows: one job per launcher, ours' job first."""
+    from .job import MPIEXEC_IMPLS, JobSpec, run_mpiexec, run_spawned
+
+    spec = JobSpec(impls=[], ops=args.ops, sizes=args.sizes, dtype=args.dtype,
+                   iters=args.iters, warmup=args.warmup, byte_budget=args.byte_budget,
+                   timeout=args.timeout)
+    impls = [args.backend] + peers
+    by_mpiexec = [i for i in impls if i in MPIEXEC_IMPLS]
+    by_spawn = [i for i in impls if i not in MPIEXEC_IMPLS]
+    rows: list[dict] = []
+    notes: list[str] = []
+    for job in sorted((j for j in (by_mpiexec, by_spawn) if j),
+                      key=lambda j: args.backend not in j):
+        launcher = "mpiexec" if job is by_mpiexec else "collectives.spawn"
+        print(f"# running {', '.join(job)} on {args.nproc} ranks started by {launcher}",
+              file=sys.stderr, flush=True)
+        launch = run_mpiexec if job is by_mpiexec else run_spawned
+        # The copy is timed in our backend's job, in turn with ours (and the peers there).
+        job_rows, skipped = launch(
+            dataclasses.replace(spec, impls=job, memcpy=args.memcpy and args.backend in job),
+            args.nproc, args.job_timeout)
+        rows += job_rows
+        notes += skipped
+    return rows, notes
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command line; returns the exit status (see the module docstring)."""
+    args = _parser().parse_args(argv)
+    if args.worker:
+        from .job import worker
+        return worker(args.worker)
+
+    from ..spawn import SpawnError
+    from . import report
+    from .job import LauncherMissing
+
+    peers: list[str] = []
+    try:
+        peers, notes = _check(args)
+        load = f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores"
+        print(f"# collectives.bench: {args.backend} on {args.nproc} ranks"
+              f"{', peers ' + ', '.join(peers) if peers else ''}; {args.dtype}; up to "
+              f"{args.iters} timed iterations after {args.warmup} warm-up (at most "
+              f"{args.byte_budget >> 20} MiB per size); {load}", flush=True)
+        rows, skipped = _run(args, peers)
+    except (_Usage, LauncherMissing) as exc:
+        print(f"python -m collectives.bench: error: {exc}", file=sys.stderr)
+        return 2
+    except SpawnError as exc:
+        print(f"python -m collectives.bench: a rank failed ({args.backend} and peers "
+              f"{peers or 'none'}, {args.nproc} ranks): {exc}", file=sys.stderr)
+        return 1
+
+    rows = report.add_memcpy(rows)
+    report.add_ratios(rows, args.backend, peers)
+    print(report.table(rows, args.backend, peers, args.nproc))
+    for note in notes + skipped:
+        print(f"# {note}")
+    if args.json:
+        report.write_json(rows, args.json)
+    if args.plot:
+        from .plot import plot
+        plot(rows, args.plot, [args.backend] + peers,
+             title=f"{args.nproc} ranks, {args.dtype}, {os.cpu_count()} cores")
+    return 0 if all(r["wrong"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
