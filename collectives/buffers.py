@@ -11,7 +11,6 @@ can reduce it.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import ml_dtypes
@@ -25,7 +24,6 @@ SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(np.dtype(d) for d in (
 _SUPPORTED_SET = frozenset(SUPPORTED_DTYPES)
 
 
-@dataclass
 class HostBuffer:
     """A C-contiguous host array standing for one argument of a collective.
 
@@ -33,8 +31,12 @@ class HostBuffer:
     staged copy; on a zero-copy view it does nothing.
     """
 
-    array: np.ndarray
-    writeback: Optional[Callable[[np.ndarray], None]] = None
+    __slots__ = ("array", "writeback")  # one or more per call: keep it light
+
+    def __init__(self, array: np.ndarray,
+                 writeback: Optional[Callable[[np.ndarray], None]] = None) -> None:
+        self.array = array
+        self.writeback = writeback
 
     def commit(self) -> None:
         if self.writeback is not None:
@@ -62,9 +64,17 @@ def _check_dtype(dtype: np.dtype, where: str, arg: str) -> None:
 
 def _torch_to_host(t: Any, where: str, arg: str, write: bool) -> HostBuffer:
     torch = _torch()
-    src = t.detach()
-    if src.is_complex() or src.dtype not in _TORCH_TO_NUMPY:
+    dtype = _TORCH_TO_NUMPY.get(t.dtype)  # (complex dtypes are not in the table)
+    if dtype is None:
         raise TypeError(f"{where}: argument `{arg}` has unsupported dtype {t.dtype}")
+    if t.is_cpu and t.is_contiguous() and not t.is_neg():
+        # The hot path (every DDP bucket): a zero-copy view, no staging. Each accessor
+        # here is ~0.1 us; `detach()` and `device.type` cost 0.4 us, so they are avoided.
+        host = t.detach() if t.requires_grad else t
+        if dtype == _BFLOAT16:
+            return HostBuffer(host.view(torch.uint16).numpy().view(ml_dtypes.bfloat16))
+        return HostBuffer(host.numpy())
+    src = t.detach()
     staged = src.device.type != "cpu" or not src.is_contiguous() or src.is_neg() or src.is_conj()
     host = src.to("cpu", copy=True).contiguous() if staged else src
     if host.dtype == torch.bfloat16:
@@ -81,11 +91,12 @@ def _torch_to_host(t: Any, where: str, arg: str, write: bool) -> HostBuffer:
 
 
 def _numpy_to_host(a: np.ndarray, where: str, arg: str, write: bool) -> HostBuffer:
-    _check_dtype(a.dtype, where, arg)
-    if write and not a.flags.writeable:
+    dtype, flags = a.dtype, a.flags
+    _check_dtype(dtype, where, arg)
+    if write and not flags.writeable:
         raise ValueError(f"{where}: argument `{arg}` is a read-only array but the "
                          f"operation writes its result into it")
-    if a.flags.c_contiguous and a.dtype.isnative:
+    if flags.c_contiguous and dtype.isnative:
         return HostBuffer(a)
     staged = np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("="))
 
@@ -106,6 +117,12 @@ def to_host(obj: Any, *, where: str, arg: str, write: bool) -> HostBuffer:
     >>> buf.array.shape
     (3,)
     """
+    if type(obj) is np.ndarray:  # the hot path: a native, contiguous, usable array
+        dtype = obj.dtype
+        if dtype in _SUPPORTED_SET and dtype.isnative:
+            flags = obj.flags
+            if flags.c_contiguous and (flags.writeable or not write):
+                return HostBuffer(obj)
     if isinstance(obj, np.ndarray):
         return _numpy_to_host(obj, where, arg, write)
     torch = _torch()
@@ -117,6 +134,7 @@ def to_host(obj: Any, *, where: str, arg: str, write: bool) -> HostBuffer:
 
 
 _TORCH_TO_NUMPY: dict = {}
+_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def _init_torch_table(torch: Any) -> None:

@@ -17,17 +17,18 @@ from __future__ import annotations
 import abc
 import concurrent.futures
 import datetime
+import os
 import pickle
 import threading
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from . import algorithms
+from . import algorithms, call_check, flight
 from .buffers import HostBuffer, host_dtype, is_tensor_like, numel, to_host
-from .errors import CollectiveError, CollectiveTimeout, where as _where
+from .errors import CollectiveError, where as _where
 from .reduce_op import ReduceOp, check_reducible
-from .work import CompletedWork, FutureWork, Work
+from .work import FutureWork, Work
 
 #: User tags of send/recv must lie in [0, MAX_USER_TAG).
 MAX_USER_TAG = 1 << 31
@@ -35,14 +36,27 @@ MAX_USER_TAG = 1 << 31
 Tensor = Any  # torch.Tensor or numpy.ndarray
 
 
-def timeout_seconds(timeout: "float | datetime.timedelta | None", default: float) -> float:
-    """Normalise a timeout given in seconds or as a ``timedelta``."""
+def timeout_seconds(timeout: "float | datetime.timedelta | None", default: float,
+                    where: str = "", arg: str = "timeout") -> float:
+    """Normalise a timeout given in seconds or as a ``timedelta`` (``None``: ``default``).
+
+    A wrong type is a ``TypeError``, a non-positive (or NaN) number a ``ValueError``;
+    ``where`` names the call in the message (``"init_process_group"``), ``arg`` the
+    argument.
+
+    >>> timeout_seconds(datetime.timedelta(minutes=1), 300.0)
+    60.0
+    """
     if timeout is None:
         return default
+    prefix = f"{where}: " if where else ""
     if isinstance(timeout, datetime.timedelta):
         timeout = timeout.total_seconds()
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds or a timedelta, "
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"{prefix}argument `{arg}` must be a positive number of seconds or "
+                        f"a timedelta, got {type(timeout).__name__} {timeout!r}")
+    if not timeout > 0:  # also NaN
+        raise ValueError(f"{prefix}argument `{arg}` must be a positive number of seconds, "
                          f"got {timeout!r}")
     return float(timeout)
 
@@ -76,6 +90,14 @@ class ProcessGroup(abc.ABC):
         self._pending = 0
         self._pending_lock = threading.Lock()
         self._subgroup_counts: dict[tuple[int, ...], int] = {}
+        self._where_text: dict[str, str] = {}
+        # COLLECTIVES_DEBUG=1: every collective first checks that all ranks make the same
+        # call (collectives.call_check); the flight recorder keeps the last calls for
+        # `python -m collectives.doctor` (collectives.flight).
+        self._debug = call_check.debug_enabled()
+        capacity = flight.capacity_from_env()
+        self._recorder: Optional[flight.Recorder] = flight.Recorder(capacity) if capacity else None
+        self._flight_name = "world"
 
     # ------------------------------------------------------------------ transport hooks
     @abc.abstractmethod
@@ -147,7 +169,13 @@ class ProcessGroup(abc.ABC):
 
     # ------------------------------------------------------------------------ plumbing
     def _where(self, op: str) -> str:
-        return _where(self.rank, self.size, op)
+        # Every call formats its location for the messages it might raise: keep the text
+        # per op instead of formatting it each time (a rank's rank and size never change).
+        try:
+            return self._where_text[op]
+        except KeyError:
+            text = self._where_text[op] = _where(self.rank, self.size, op)
+            return text
 
     def _next_seq(self, op: str) -> int:
         if self._closed:
@@ -193,6 +221,17 @@ class ProcessGroup(abc.ABC):
             raise TypeError(f"{where}: argument `{arg}` must be a torch.Tensor or "
                             f"numpy.ndarray, got {type(obj).__name__}")
 
+    def _pickled(self, obj: Any, where: str) -> tuple[Optional[np.ndarray], Optional[TypeError]]:
+        """``obj`` pickled (see ``_encode_object``), or the TypeError naming the call that
+        the rank raises once it told its peers (so that they raise too, not wait)."""
+        try:
+            return self._encode_object(obj), None
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            error = TypeError(f"{where}: argument `obj` cannot be pickled "
+                              f"({type(exc).__name__}: {exc})")
+            error.__cause__ = exc
+            return None, error
+
     def _ensure_executor(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -226,6 +265,68 @@ class ProcessGroup(abc.ABC):
         work.wait()  # an async op is still queued: keep the order every rank sees
         return None
 
+    def _dispatch_collective(
+            self, op: str, fn: Callable[[int], None], buffers: Sequence[HostBuffer],
+            async_op: bool, shape: Any = None, dtype: Any = None, root: int = -1,
+            reduce_op: Optional[ReduceOp] = None,
+            counts: Optional[tuple[Sequence[int], Sequence[int]]] = None) -> Optional[Work]:
+        """Number the collective, check the call (debug mode), record it, run it.
+
+        ``fn(seq)`` runs the collective hook; ``shape``, ``dtype``, ``root`` and
+        ``reduce_op`` describe the call for the flight recorder and the debug check
+        (``counts``: all_to_all's elements sent to and received from each rank).
+        """
+        check_seq = self._next_seq(op) if self._debug else -1
+        seq = self._next_seq(op)
+        rec = None if self._recorder is None else self._recorder.start(
+            seq, op, shape, dtype, root, reduce_op, -1)
+        try:
+            if check_seq >= 0:
+                self._check_same_call(op, check_seq, seq, shape, dtype, root, reduce_op, counts)
+            work = self._run(op, seq, lambda: fn(seq), buffers, async_op)
+        except BaseException as exc:
+            self._record_failure(rec, exc)
+            raise
+        if rec is not None:
+            if work is None:
+                flight.Recorder.finish(rec)
+            else:
+                work = _RecordedWork(work, self, rec)
+        return work
+
+    def _check_same_call(self, op: str, check_seq: int, seq: int, shape: Any, dtype: Any,
+                         root: int, reduce_op: Optional[ReduceOp],
+                         counts: Optional[tuple[Sequence[int], Sequence[int]]]) -> None:
+        """The COLLECTIVES_DEBUG exchange: all ranks' descriptions of this call, through
+        the backend's own all_gather, compared on every rank."""
+        text = call_check.describe(op, shape, dtype, root, reduce_op)
+        mine = call_check.encode(text, counts, self.size)
+        every = np.empty(self.size * mine.size, np.uint8)
+        where = f"{self._where(op)} (seq {seq})"
+        out = self._to_host(every, where=where, arg="debug check", write=True)
+        inp = self._to_host(mine, where=where, arg="debug check", write=False)
+        self._run(op, check_seq, lambda: self._all_gather(out.array, inp.array, check_seq),
+                  [out], False)
+        call_check.check(every, rank=self.rank, size=self.size, where=where,
+                         all_to_all=counts is not None)
+
+    def _record_failure(self, rec: Optional[list], exc: BaseException) -> None:
+        """An operation failed: note it in the flight record and, for a communication
+        error, write the record out and say where in the error."""
+        if rec is None:
+            return
+        flight.Recorder.finish(rec, exc)
+        if not isinstance(exc, CollectiveError) or self._recorder is None:
+            return
+        try:
+            path = self._recorder.dump(rank=self.rank, size=self.size, backend=self.backend,
+                                       group=self._flight_name, error=exc)
+        except OSError as dump_error:
+            exc.add_note(f"[rank {self.rank}] could not write the flight record: {dump_error}")
+            return
+        exc.add_note(f"[rank {self.rank}] flight record: {path}\n  compare the ranks with: "
+                     f"python -m collectives.doctor {os.path.dirname(path)}")
+
     # ------------------------------------------------------------------- point to point
     def isend(self, tensor: Tensor, dst: int, tag: int = 0) -> Work:
         """Start sending ``tensor`` to ``dst``; the returned Work completes when the
@@ -233,44 +334,60 @@ class ProcessGroup(abc.ABC):
 
         Rank 0: ``pg.isend(t, dst=1).wait()``; rank 1: ``pg.recv(t, src=0)``.
         """
-        w = self._where("isend")
+        return self._start_send("isend", tensor, dst, tag)
+
+    def _start_send(self, op: str, tensor: Tensor, dst: Any, tag: Any) -> Work:
+        w = self._where(op)
         self._check_tensor(tensor, "tensor", w)
         dst = self._check_rank(dst, "dst", w, allow_self=False)
         tag = self._check_tag(tag, w)
         buf = self._to_host(tensor, where=w, arg="tensor", write=False)
-        return self._isend(buf.array, dst, tag)
+        return self._post_p2p(op, lambda: self._isend(buf.array, dst, tag), buf, dst)
 
     def irecv(self, tensor: Tensor, src: int, tag: int = 0) -> Work:
         """Start receiving into ``tensor`` from ``src``; wait on the Work before use.
 
         Rank 0: ``pg.send(t, dst=1)``; rank 1: ``w = pg.irecv(t, src=0); w.wait()``.
         """
-        w = self._where("irecv")
+        return self._start_recv("irecv", tensor, src, tag)
+
+    def _start_recv(self, op: str, tensor: Tensor, src: Any, tag: Any) -> Work:
+        w = self._where(op)
         self._check_tensor(tensor, "tensor", w)
         src = self._check_rank(src, "src", w, allow_self=False)
         tag = self._check_tag(tag, w)
         buf = self._to_host(tensor, where=w, arg="tensor", write=True)
-        inner = self._irecv(buf.array, src, tag)
-        if buf.writeback is None:
-            return inner
-        return _CommitOnWait(inner, buf)
+        return self._post_p2p(op, lambda: self._irecv(buf.array, src, tag), buf, src)
+
+    def _post_p2p(self, op: str, post: Callable[[], Work], buf: HostBuffer, peer: int) -> Work:
+        """Post a send or receive; the Work writes a staged receive back and keeps the
+        flight record."""
+        rec = None if self._recorder is None else self._recorder.start(
+            -1, op, buf.array.shape, buf.array.dtype, -1, None, peer)
+        try:
+            work = post()
+        except BaseException as exc:
+            self._record_failure(rec, exc)
+            raise
+        if buf.writeback is not None:
+            work = _CommitOnWait(work, buf)
+        return work if rec is None else _RecordedWork(work, self, rec)
 
     def send(self, tensor: Tensor, dst: int, tag: int = 0) -> None:
         """Send ``tensor`` to ``dst`` and return when its buffer may be reused.
 
         Rank 0: ``pg.send(t, dst=1)``; rank 1: ``pg.recv(t, src=0)``.
         """
-        self.isend(tensor, dst, tag).wait()
+        self._start_send("send", tensor, dst, tag).wait()
 
     def recv(self, tensor: Tensor, src: int, tag: int = 0) -> None:
         """Receive into ``tensor`` (same shape and dtype as the sender's) from ``src``."""
-        self.irecv(tensor, src, tag).wait()
+        self._start_recv("recv", tensor, src, tag).wait()
 
     # ---------------------------------------------------------------------- collectives
     def barrier(self, *, async_op: bool = False) -> Optional[Work]:
         """Return once every rank of the group called ``barrier``."""
-        seq = self._next_seq("barrier")
-        return self._run("barrier", seq, lambda: self._barrier(seq), [], async_op)
+        return self._dispatch_collective("barrier", self._barrier, [], async_op)
 
     def broadcast(self, tensor: Tensor, src: int = 0, *, async_op: bool = False) -> Optional[Work]:
         """Copy ``tensor`` of rank ``src`` into ``tensor`` of every rank.
@@ -282,9 +399,9 @@ class ProcessGroup(abc.ABC):
         self._check_tensor(tensor, "tensor", w)
         src = self._check_rank(src, "src", w)
         buf = self._to_host(tensor, where=w, arg="tensor", write=self.rank != src)
-        seq = self._next_seq("broadcast")
-        return self._run("broadcast", seq, lambda: self._broadcast(buf.array, src, seq),
-                         [buf], async_op)
+        return self._dispatch_collective(
+            "broadcast", lambda seq: self._broadcast(buf.array, src, seq),
+            [buf], async_op, buf.array.shape, buf.array.dtype, src)
 
     def all_reduce(self, tensor: Tensor, op: ReduceOp = ReduceOp.SUM, *,
                    async_op: bool = False) -> Optional[Work]:
@@ -297,9 +414,9 @@ class ProcessGroup(abc.ABC):
         self._check_tensor(tensor, "tensor", w)
         op = check_reducible(op, host_dtype(tensor), w)
         buf = self._to_host(tensor, where=w, arg="tensor", write=True)
-        seq = self._next_seq("all_reduce")
-        return self._run("all_reduce", seq, lambda: self._all_reduce(buf.array, op, seq),
-                         [buf], async_op)
+        return self._dispatch_collective(
+            "all_reduce", lambda seq: self._all_reduce(buf.array, op, seq),
+            [buf], async_op, buf.array.shape, buf.array.dtype, -1, op)
 
     def reduce(self, tensor: Tensor, dst: int = 0, op: ReduceOp = ReduceOp.SUM, *,
                async_op: bool = False) -> Optional[Work]:
@@ -314,9 +431,9 @@ class ProcessGroup(abc.ABC):
         dst = self._check_rank(dst, "dst", w)
         op = check_reducible(op, host_dtype(tensor), w)
         buf = self._to_host(tensor, where=w, arg="tensor", write=self.rank == dst)
-        seq = self._next_seq("reduce")
-        return self._run("reduce", seq, lambda: self._reduce(buf.array, dst, op, seq),
-                         [buf], async_op)
+        return self._dispatch_collective(
+            "reduce", lambda seq: self._reduce(buf.array, dst, op, seq),
+            [buf], async_op, buf.array.shape, buf.array.dtype, dst, op)
 
     def all_gather(self, output: Tensor, input: Tensor, *,
                    async_op: bool = False) -> Optional[Work]:
@@ -332,11 +449,11 @@ class ProcessGroup(abc.ABC):
         self._check_multiple(output, input, ("output", "input"), w)
         out = self._to_host(output, where=w, arg="output", write=True)
         inp = self._to_host(input, where=w, arg="input", write=False)
-        seq = self._next_seq("all_gather")
-        return self._run("all_gather", seq,
-                         lambda: self._all_gather(out.array.reshape(-1),
-                                                  inp.array.reshape(-1), seq),
-                         [out], async_op)
+        return self._dispatch_collective(
+            "all_gather",
+            lambda seq: self._all_gather(out.array.reshape(-1),
+                                         inp.array.reshape(-1), seq),
+            [out], async_op, inp.array.shape, inp.array.dtype)
 
     def gather(self, input: Tensor, output: Optional[Tensor] = None, dst: int = 0, *,
                async_op: bool = False) -> Optional[Work]:
@@ -349,7 +466,6 @@ class ProcessGroup(abc.ABC):
         w = self._where("gather")
         self._check_tensor(input, "input", w)
         dst = self._check_rank(dst, "dst", w)
-        inp = self._to_host(input, where=w, arg="input", write=False)
         out = None
         if self.rank == dst:
             if output is None:
@@ -359,12 +475,15 @@ class ProcessGroup(abc.ABC):
             self._check_same_dtype(output, input, ("output", "input"), w)
             self._check_multiple(output, input, ("output", "input"), w)
             out = self._to_host(output, where=w, arg="output", write=True)
-        seq = self._next_seq("gather")
-        return self._run("gather", seq,
-                         lambda: self._gather(inp.array.reshape(-1),
-                                              None if out is None else out.array.reshape(-1),
-                                              dst, seq),
-                         [out] if out else [], async_op)
+        # staged after every check: a backend's _to_host may note what it staged
+        inp = self._to_host(input, where=w, arg="input", write=False)
+        return self._dispatch_collective(
+            "gather",
+            lambda seq: self._gather(
+                inp.array.reshape(-1),
+                None if out is None else out.array.reshape(-1), dst, seq),
+            [out] if out else [], async_op, inp.array.shape, inp.array.dtype,
+            dst)
 
     def scatter(self, output: Tensor, input: Optional[Tensor] = None, src: int = 0, *,
                 async_op: bool = False) -> Optional[Work]:
@@ -386,12 +505,12 @@ class ProcessGroup(abc.ABC):
             self._check_multiple(input, output, ("input", "output"), w)
             inp = self._to_host(input, where=w, arg="input", write=False)
         out = self._to_host(output, where=w, arg="output", write=True)
-        seq = self._next_seq("scatter")
-        return self._run("scatter", seq,
-                         lambda: self._scatter(out.array.reshape(-1),
-                                               None if inp is None else inp.array.reshape(-1),
-                                               src, seq),
-                         [out], async_op)
+        return self._dispatch_collective(
+            "scatter",
+            lambda seq: self._scatter(
+                out.array.reshape(-1),
+                None if inp is None else inp.array.reshape(-1), src, seq),
+            [out], async_op, out.array.shape, out.array.dtype, src)
 
     def reduce_scatter(self, output: Tensor, input: Tensor, op: ReduceOp = ReduceOp.SUM, *,
                        async_op: bool = False) -> Optional[Work]:
@@ -404,15 +523,15 @@ class ProcessGroup(abc.ABC):
         self._check_tensor(output, "output", w)
         self._check_tensor(input, "input", w)
         self._check_same_dtype(output, input, ("output", "input"), w)
-        op = check_reducible(op, host_dtype(input), w)
+        op = check_reducible(op, host_dtype(input), w, "input")
         self._check_multiple(input, output, ("input", "output"), w)
         out = self._to_host(output, where=w, arg="output", write=True)
         inp = self._to_host(input, where=w, arg="input", write=False)
-        seq = self._next_seq("reduce_scatter")
-        return self._run("reduce_scatter", seq,
-                         lambda: self._reduce_scatter(out.array.reshape(-1),
-                                                      inp.array.reshape(-1), op, seq),
-                         [out], async_op)
+        return self._dispatch_collective(
+            "reduce_scatter",
+            lambda seq: self._reduce_scatter(out.array.reshape(-1),
+                                             inp.array.reshape(-1), op, seq),
+            [out], async_op, out.array.shape, out.array.dtype, -1, op)
 
     def all_to_all(self, output: Tensor, input: Tensor, *,
                    output_split_sizes: Optional[Sequence[int]] = None,
@@ -432,11 +551,13 @@ class ProcessGroup(abc.ABC):
         in_counts = self._split_counts(input, input_split_sizes, "input", w)
         out = self._to_host(output, where=w, arg="output", write=True)
         inp = self._to_host(input, where=w, arg="input", write=False)
-        seq = self._next_seq("all_to_all")
-        return self._run("all_to_all", seq,
-                         lambda: self._all_to_all(out.array.reshape(-1), inp.array.reshape(-1),
-                                                  out_counts, in_counts, seq),
-                         [out], async_op)
+        return self._dispatch_collective(
+            "all_to_all",
+            lambda seq: self._all_to_all(out.array.reshape(-1),
+                                         inp.array.reshape(-1),
+                                         out_counts, in_counts, seq),
+            [out], async_op, None, inp.array.dtype,
+            counts=(out_counts, in_counts))
 
     def _split_counts(self, t: Any, splits: Optional[Sequence[int]], arg: str,
                       where: str) -> list[int]:
@@ -450,6 +571,9 @@ class ProcessGroup(abc.ABC):
                                  f"divisible by the group size {self.size}; pass "
                                  f"`{arg}_split_sizes`")
             return [rows // self.size * row_numel] * self.size
+        if isinstance(splits, (str, bytes)) or not hasattr(splits, "__iter__"):
+            raise TypeError(f"{where}: argument `{arg}_split_sizes` must be a sequence of "
+                            f"{self.size} ints, got {type(splits).__name__}")
         splits = list(splits)
         if len(splits) != self.size or any(
                 isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0
@@ -469,9 +593,17 @@ class ProcessGroup(abc.ABC):
         """
         w = self._where("broadcast_object")
         src = self._check_rank(src, "src", w)
-        payload = self._encode_object(obj) if self.rank == src else None
-        length = np.array([0 if payload is None else payload.size], np.int64)
+        payload, error = self._pickled(obj, w) if self.rank == src else (None, None)
+        # The length goes first, -1 when `src` could not pickle its object: then every
+        # rank raises, instead of the others waiting for bytes that never come.
+        length = np.array([-1 if error else 0 if payload is None else payload.size],
+                          np.int64)
         self.broadcast(length, src)
+        if error is not None:
+            raise error
+        if length[0] < 0:
+            raise CollectiveError(f"{w}: rank {src} could not pickle its object (a "
+                                  f"TypeError there says why); nothing was sent")
         data = payload if payload is not None else np.empty(int(length[0]), np.uint8)
         self.broadcast(data, src)
         return obj if self.rank == src else self._decode_object(data, src)
@@ -481,9 +613,16 @@ class ProcessGroup(abc.ABC):
 
         Both ranks: ``pg.all_gather_object(pg.rank)`` -> ``[0, 1]``.
         """
-        payload = self._encode_object(obj)
-        lengths = np.empty(self.size, np.int64)
-        self.all_gather(lengths, np.array([payload.size], np.int64))
+        w = self._where("all_gather_object")
+        payload, error = self._pickled(obj, w)
+        lengths = np.empty(self.size, np.int64)  # -1: that rank could not pickle its object
+        self.all_gather(lengths, np.array([-1 if error else payload.size], np.int64))
+        if error is not None:
+            raise error
+        if lengths.min() < 0:
+            failed = [r for r in range(self.size) if lengths[r] < 0]
+            raise CollectiveError(f"{w}: ranks {failed} could not pickle their objects (a "
+                                  f"TypeError there says why); nothing was exchanged")
         longest = int(lengths.max())
         padded = np.zeros(longest, np.uint8)
         padded[:payload.size] = payload
@@ -524,7 +663,11 @@ class ProcessGroup(abc.ABC):
         key = tuple(sorted(members))
         instance = self._subgroup_counts.get(key, 0)
         self._subgroup_counts[key] = instance + 1
-        return self._new_group(key, instance)
+        group = self._new_group(key, instance)
+        # Named by the path from the world group, so every member's flight files agree.
+        group._flight_name = (f"{self._flight_name}.{'-'.join(map(str, key))}"
+                              + (f"#{instance}" if instance else ""))
+        return group
 
     # ------------------------------------------------------------------------- lifetime
     def close(self) -> None:
@@ -558,6 +701,25 @@ class _CommitOnWait(Work):
         if self._buf is not None:
             buf, self._buf = self._buf, None
             buf.commit()
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+
+class _RecordedWork(Work):
+    """An operation in flight whose end (or failure) goes into the group's flight record."""
+
+    def __init__(self, inner: Work, group: ProcessGroup, rec: list) -> None:
+        self._inner, self._group, self._rec = inner, group, rec
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        try:
+            self._inner.wait(timeout)
+        except BaseException as exc:
+            self._group._record_failure(self._rec, exc)
+            raise
+        if self._rec[flight.END] is None:
+            flight.Recorder.finish(self._rec)
 
     def is_completed(self) -> bool:
         return self._inner.is_completed()

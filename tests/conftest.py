@@ -19,6 +19,8 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import os
+import shutil
+import tempfile
 import time
 from collections import OrderedDict
 from typing import Any
@@ -41,6 +43,12 @@ _ALIASES = {"torch"}  # gloo or nccl, whichever fits
 _NOT_TESTED_HERE = {"nccl": "needs CUDA tensors; this suite passes host tensors"}
 
 _close_problems: list[str] = []
+
+# Failing collectives write flight records (collectives.flight); the tests fail many on
+# purpose. Keep them in one folder of this session (inherited by every worker) instead of
+# the user's <tmp>/collectives-flight, and remove it at the end.
+_FLIGHT_DIR = os.environ.setdefault("COLLECTIVES_FLIGHT_DIR",
+                                    tempfile.mkdtemp(prefix="collectives-test-flight-"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -182,6 +190,8 @@ def nothing_left_behind() -> Any:
     running = live_pools()
     if running:
         problems.append(f"pools never closed: {running}")
+    if _FLIGHT_DIR.startswith(os.path.join(tempfile.gettempdir(), "collectives-test-flight-")):
+        shutil.rmtree(_FLIGHT_DIR, ignore_errors=True)
     if problems:
         pytest.fail("the test session left things behind:\n" + "\n".join(problems),
                     pytrace=False)

@@ -1,0 +1,134 @@
+"""The flight recorder: every group remembers its last N operations, and writes them to
+a file when one fails, so that ``python -m collectives.doctor`` can show where the ranks
+went different ways.
+
+A hang in a distributed job is usually one rank that called something else, or nothing:
+the rank that is stuck cannot see why. Each rank's record answers "what had I called,
+in which order, with which shapes, and what was still running", and the doctor lines
+the ranks' records up by sequence number.
+
+Recording is on by default and costs one small list per call (see ``Recorder.start``);
+``COLLECTIVES_FLIGHT_RECORDER=0`` turns it off, another number sets how many operations
+each group keeps (default 256). Records are written to ``COLLECTIVES_FLIGHT_DIR``
+(default: ``<tmp>/collectives-flight``), one JSON file per rank and group::
+
+    /tmp/collectives-flight/<job>/<group>.rank1.json
+
+Two ranks, rank 1 stuck in a barrier while rank 0 waits in an all_reduce: both raise
+``CollectiveTimeout``, both write their records, and
+``python -m collectives.doctor /tmp/collectives-flight/<job>/*.json`` says that at
+sequence number 7 rank 0 called all_reduce and rank 1 called barrier.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import socket
+import tempfile
+import time
+from typing import Any, Optional
+
+from .environment import env_number
+
+#: How many operations a group keeps when ``COLLECTIVES_FLIGHT_RECORDER`` is unset.
+DEFAULT_CAPACITY = 256
+#: The file format's version, checked by the doctor.
+FORMAT = 1
+
+# Field positions of a record (a list, for speed: one is made per call on the hot path).
+SEQ, OP, SHAPE, DTYPE, ROOT, REDUCE_OP, PEER, START, END, STATE = range(10)
+FIELDS = ("seq", "op", "shape", "dtype", "root", "reduce_op", "peer", "start", "end", "state")
+
+
+def capacity_from_env() -> int:
+    """The number of operations to keep per group (0: recording is off)."""
+    n = env_number("COLLECTIVES_FLIGHT_RECORDER", DEFAULT_CAPACITY)
+    if n < 0:
+        raise ValueError(f"environment variable COLLECTIVES_FLIGHT_RECORDER={n} must be >= 0")
+    return n
+
+
+def flight_dir() -> str:
+    """Where records are written (``COLLECTIVES_FLIGHT_DIR`` or ``<tmp>/collectives-flight``)."""
+    return os.environ.get("COLLECTIVES_FLIGHT_DIR") or os.path.join(
+        tempfile.gettempdir(), "collectives-flight")
+
+
+def job_name() -> str:
+    """A name shared by every rank of this job (so their files land together)."""
+    from .launch import job_id  # launch imports the group, which imports this module
+    job = job_id()
+    return _safe(job.split("=", 1)[1]) if job else "job"
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=-]", "_", name)[:120] or "job"
+
+
+class Recorder:
+    """The last ``capacity`` operations of one group, oldest first.
+
+    >>> r = Recorder(2)
+    >>> rec = r.start(0, "all_reduce", (4,), "float32", -1, "SUM", -1)
+    >>> r.finish(rec)
+    >>> r.records()[0]["state"]
+    'ok'
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self._ring: collections.deque[list] = collections.deque(maxlen=capacity)
+
+    def start(self, seq: int, op: str, shape: Any, dtype: Any, root: int, reduce_op: Any,
+              peer: int) -> list:
+        """Note that an operation began (``seq`` is -1 for point to point); returns the
+        record to pass to :meth:`finish`. Values are kept as given and turned into text
+        only when written: this runs on every call."""
+        rec = [seq, op, shape, dtype, root, reduce_op, peer, time.time(), None, "running"]
+        self._ring.append(rec)
+        return rec
+
+    @staticmethod
+    def finish(rec: list, error: Optional[BaseException] = None) -> None:
+        """Note that the operation of ``rec`` ended, successfully or with ``error``."""
+        rec[END] = time.time()
+        rec[STATE] = "ok" if error is None else f"{type(error).__name__}: {error}"
+
+    def records(self) -> list[dict]:
+        """The kept operations as plain dicts (JSON-ready), oldest first."""
+        out = []
+        for rec in list(self._ring):
+            d = dict(zip(FIELDS, rec))
+            d["shape"] = None if rec[SHAPE] is None else [int(x) for x in rec[SHAPE]]
+            d["dtype"] = None if rec[DTYPE] is None else _dtype_name(rec[DTYPE])
+            d["reduce_op"] = None if rec[REDUCE_OP] is None else getattr(
+                rec[REDUCE_OP], "name", str(rec[REDUCE_OP]))
+            out.append(d)
+        return out
+
+    def dump(self, *, rank: int, size: int, backend: str, group: str,
+             error: Optional[BaseException] = None, directory: Optional[str] = None) -> str:
+        """Write the record to ``<directory>/<job>/<group>.rank<rank>.json``; returns the
+        path. Written to a temporary name and renamed, so a reader never sees half."""
+        folder = os.path.join(directory or flight_dir(), job_name())
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"{_safe(group)}.rank{rank}.json")
+        document = {
+            "format": FORMAT, "rank": rank, "size": size, "backend": backend,
+            "group": group, "job": job_name(), "host": socket.gethostname(),
+            "pid": os.getpid(), "written": time.time(),
+            "error": None if error is None else f"{type(error).__name__}: {error}",
+            "records": self.records(),
+        }
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(document, f, indent=1)
+        os.replace(tmp, path)
+        return path
+
+
+def _dtype_name(dtype: Any) -> str:
+    text = str(dtype)
+    return text[len("torch."):] if text.startswith("torch.") else text
