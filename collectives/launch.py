@@ -59,7 +59,13 @@ def under_mpi_launcher(env: Optional[Mapping[str, str]] = None) -> bool:
     return any(env.get(name) for name in MPI_RANK_VARS)
 
 
-def _job_id(env: Mapping[str, str]) -> Optional[str]:
+def job_id(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """What names this job on every rank alike (from the launcher's variables), or None.
+
+    >>> job_id({"COLLECTIVES_JOB_ID": "abc"})
+    'COLLECTIVES_JOB_ID=abc'
+    """
+    env = os.environ if env is None else env
     for name in ("COLLECTIVES_JOB_ID", "TORCHELASTIC_RUN_ID", "OMPI_MCA_ess_base_jobid",
                  "PMIX_NAMESPACE", "PMI_KVSNAME"):
         value = env.get(name)
@@ -85,7 +91,7 @@ def detect_rendezvous(rank: Optional[int] = None, world_size: Optional[int] = No
     env = os.environ if env is None else env
     addr = env.get("MASTER_ADDR") or None
     port = _int(env, "MASTER_PORT")
-    job = _job_id(env)
+    job = job_id(env)
     if rank is not None or world_size is not None:
         if rank is None or world_size is None:
             raise ValueError("init_process_group: give both `rank` and `world_size`, or neither")
@@ -115,8 +121,13 @@ def detect_rendezvous(rank: Optional[int] = None, world_size: Optional[int] = No
             isinstance(world_size, bool) or not isinstance(world_size, int):
         raise TypeError(f"init_process_group: rank and world_size must be ints, got "
                         f"{rank!r} and {world_size!r}")
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"init_process_group: rank {rank} is not in a world of size {world_size}")
+    if world_size < 1:
+        source = "argument `world_size`" if launcher == "explicit" else \
+            f"the world size from the {launcher} launcher's variables"
+        raise ValueError(f"init_process_group: {source} must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"init_process_group: rank {rank} is not in a world of size {world_size}"
+                         f"{' (argument `rank`)' if launcher == 'explicit' else ''}")
     return Rendezvous(rank=rank, world_size=world_size,
                       local_rank=rank if local_rank is None else local_rank,
                       local_world_size=world_size if local_size is None else local_size,
@@ -152,8 +163,11 @@ def init_process_group(backend: Optional[str] = None, *, rank: Optional[int] = N
             pg.close()
     """
     default = env_number("COLLECTIVES_TIMEOUT", DEFAULT_TIMEOUT, kind=float)
-    seconds = timeout_seconds(timeout, default)
+    seconds = timeout_seconds(timeout, default, where="init_process_group")
     rendezvous = detect_rendezvous(rank, world_size)
-    name = backend or default_backend(rendezvous)
-    factory = get_backend(name)
+    if backend is None or backend == "":
+        name, what = default_backend(rendezvous), "the backend in COLLECTIVES_BACKEND"
+    else:
+        name, what = backend, "argument `backend`"
+    factory = get_backend(name, where="init_process_group", what=what)
     return factory(rendezvous, seconds)

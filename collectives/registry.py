@@ -82,21 +82,42 @@ def _resolve(spec: Union[str, Factory], name: str) -> Factory:
     return factory
 
 
-def get_backend(name: str) -> Factory:
-    """The factory of backend ``name``; ``ValueError`` naming the known ones if unknown."""
+def check_backend_name(name: object, *, where: str = "get_backend",
+                       what: str = "argument `name`") -> str:
+    """``name`` if it names a backend (built in, registered, or ``p2p:`` one of those),
+    without importing it; otherwise ``TypeError`` (not a str) or ``ValueError`` listing the
+    backends available here, both naming the call ``where`` and ``what`` was wrong.
+
+    >>> check_backend_name("p2p:shm")
+    'p2p:shm'
+    """
     if not isinstance(name, str):
-        raise TypeError(f"backend name must be a string, got {type(name).__name__}")
+        raise TypeError(f"{where}: {what} must be a backend name (a str), got "
+                        f"{type(name).__name__} {name!r}")
+    inner = name[len(P2P_ONLY_PREFIX):] if name.startswith(P2P_ONLY_PREFIX) else name
+    _load_entry_points()
+    if inner not in _registered and inner not in _BUILTIN:
+        known = ", ".join(sorted(set(_BUILTIN) | set(_registered)))
+        raise ValueError(f"{where}: {what}: unknown backend {name!r}; available here: "
+                         f"{', '.join(available_backends())} (known backends: {known}; "
+                         f"'{P2P_ONLY_PREFIX}NAME' runs NAME with the default send/recv "
+                         f"algorithms)")
+    return name
+
+
+def get_backend(name: str, *, where: str = "get_backend",
+                what: str = "argument `name`") -> Factory:
+    """The factory of backend ``name`` (imported now); ``TypeError``/``ValueError`` naming
+    ``where`` and the backends available here if ``name`` is not one (see
+    :func:`check_backend_name`)."""
+    check_backend_name(name, where=where, what=what)
     if name.startswith(P2P_ONLY_PREFIX):
-        inner = get_backend(name[len(P2P_ONLY_PREFIX):])
+        inner = get_backend(name[len(P2P_ONLY_PREFIX):], where=where, what=what)
         from .p2p_only import wrap_factory
         return wrap_factory(inner)
-    _load_entry_points()
     if name in _registered:
         return _resolve(_registered[name], name)
-    if name in _BUILTIN:
-        return _resolve(_BUILTIN[name][0], name)
-    known = ", ".join(sorted(set(_BUILTIN) | set(_registered)))
-    raise ValueError(f"unknown backend {name!r}; known backends: {known}")
+    return _resolve(_BUILTIN[name][0], name)
 
 
 def available_backends() -> list[str]:

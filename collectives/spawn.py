@@ -22,9 +22,11 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 from .errors import CollectiveError, CollectiveTimeout, PeerError
+from .group import timeout_seconds
+from .registry import check_backend_name
 from .shm_names import remove_job_segments
 
 #: Seconds between SIGTERM and SIGKILL when stopping ranks.
@@ -104,8 +106,10 @@ def spawn(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
 
     ``fn`` must be importable by name (defined at module level). Inside, it calls
     :func:`collectives.init_process_group`, which finds its rank, the world size, the
-    ``backend`` chosen here and the group ``timeout`` (seconds) in its environment.
-    ``join_timeout`` bounds the whole job. Example with two ranks::
+    ``backend`` chosen here and the group ``timeout`` (seconds or a ``timedelta``) in its
+    environment. ``join_timeout`` bounds the whole job. Bad arguments are refused here,
+    before any rank starts: ``TypeError``/``ValueError`` naming ``spawn`` and the argument
+    (an unknown ``backend`` lists those available). Example with two ranks::
 
         def work():
             pg = collectives.init_process_group()
@@ -114,10 +118,7 @@ def spawn(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
 
         collectives.spawn(work, 2)   # [3.0, 3.0]
     """
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"spawn: argument `nproc` must be a positive int, got {nproc!r}")
-    if not callable(fn):
-        raise TypeError(f"spawn: argument `fn` must be callable, got {type(fn).__name__}")
+    args, seconds = _check_arguments(fn, nproc, args, backend, timeout, join_timeout, env)
     ctx = multiprocessing.get_context("spawn")
     job_id = secrets.token_hex(6)
     base_env = {
@@ -128,8 +129,8 @@ def spawn(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
     base_env["COLLECTIVES_SECRET"] = secrets.token_hex(32)  # authenticates network backends
     if backend is not None:
         base_env["COLLECTIVES_BACKEND"] = backend
-    if timeout is not None:
-        base_env["COLLECTIVES_TIMEOUT"] = str(float(timeout))
+    if seconds is not None:
+        base_env["COLLECTIVES_TIMEOUT"] = str(seconds)
     if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
         base_env["OMP_NUM_THREADS"] = "1"  # as torchrun does: N ranks x all cores crawls
     base_env.update(env or {})
@@ -141,7 +142,7 @@ def spawn(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
         try:
             for rank in range(nproc):
                 reader, writer = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=_rank_main, args=(fn, tuple(args), writer),
+                p = ctx.Process(target=_rank_main, args=(fn, args, writer),
                                 name=f"collectives-rank{rank}", daemon=False)
                 # The environment must be in place when the interpreter starts, before it
                 # unpickles `fn` (and imports torch, which reads OMP_NUM_THREADS once).
@@ -150,9 +151,44 @@ def spawn(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
                 writer.close()
                 procs.append(p)
                 conns.append(reader)
-            return job.collect(join_timeout)
-        finally:
+            results = job.collect(join_timeout)
+        except BaseException:
+            # On the way out already (Ctrl-C, SIGTERM, a failed rank): another Ctrl-C
+            # during the clean-up would only repeat the request, and must not cut it short.
+            with _signals_deferred(deliver=False):
+                job.stop()
+            raise
+        with _signals_deferred(deliver=True):
             job.stop()
+        return results
+
+
+def _check_arguments(fn: Any, nproc: Any, args: Any, backend: Any, timeout: Any,
+                     join_timeout: Any, env: Any) -> tuple[tuple, Optional[float]]:
+    """Refuse bad arguments of :func:`spawn` in the parent, before any rank starts (a
+    rank would fail with a message that names neither spawn nor the argument). Returns
+    ``args`` as a tuple and the group timeout in seconds (or None)."""
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"spawn: argument `nproc` must be a positive int, got {nproc!r}")
+    if not callable(fn):
+        raise TypeError(f"spawn: argument `fn` must be callable, got {type(fn).__name__}")
+    if isinstance(args, (str, bytes)) or not isinstance(args, Iterable):
+        raise TypeError(f"spawn: argument `args` must be a tuple or list of the arguments "
+                        f"of `fn`, got {type(args).__name__} {args!r}")
+    if backend is not None:
+        check_backend_name(backend, where="spawn", what="argument `backend`")
+    seconds = None if timeout is None else timeout_seconds(timeout, 0.0, where="spawn")
+    timeout_seconds(join_timeout, 0.0, where="spawn", arg="join_timeout")
+    if env is not None:
+        if not isinstance(env, Mapping):
+            raise TypeError(f"spawn: argument `env` must be a dict of environment "
+                            f"variables (str to str), got {type(env).__name__} {env!r}")
+        bad = [(k, v) for k, v in env.items() if not isinstance(k, str)
+               or not isinstance(v, str)]
+        if bad:
+            raise TypeError(f"spawn: argument `env` must map str to str; not "
+                            f"{bad[0][0]!r}: {bad[0][1]!r}")
+    return tuple(args), seconds
 
 
 class _Job:
@@ -284,3 +320,24 @@ class _signals_raise_in_main_thread:
 
 def _raise_terminated(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def _signals_deferred(deliver: bool) -> Iterator[None]:
+    """Hold SIGINT and SIGTERM back for the duration of the block (in the main thread;
+    a no-op elsewhere) and, with ``deliver``, act on the first after it: stopping the
+    ranks and removing the job's segments takes a few seconds at most and must not be
+    cut short half-way, leaving ranks or segments behind."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if caught and deliver:  # now, with the previous handlers: KeyboardInterrupt, ...
+            signal.raise_signal(caught[0])

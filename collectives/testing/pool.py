@@ -214,10 +214,13 @@ class _SpawnedWorld:
         self._job.stop()  # SIGTERM, SIGKILL after a grace, close pipes, remove segments
 
 
-def spawn_launcher(envs: list[dict[str, str]], initializer: Optional[Task] = None) -> _SpawnedWorld:
-    """Start one ``multiprocessing`` "spawn" process per environment (the default
-    launcher). Workers die with the pool's process (``PR_SET_PDEATHSIG``)."""
-    ctx = multiprocessing.get_context("spawn")
+def spawn_launcher(envs: list[dict[str, str]], initializer: Optional[Task] = None, *,
+                   start_method: str = "spawn") -> _SpawnedWorld:
+    """Start one ``multiprocessing`` process per environment (the default launcher;
+    ``start_method="forkserver"`` forks them from a server that already imported what
+    ``multiprocessing.set_forkserver_preload`` named). Workers die with the pool's
+    process (``PR_SET_PDEATHSIG``)."""
+    ctx = multiprocessing.get_context(start_method)
     procs, conns = [], []
     job_id = envs[0].get("COLLECTIVES_JOB_ID", "") if envs else ""
     try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import threading
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -85,11 +86,26 @@ def launch(main: Callable[[argparse.Namespace], Any], args: argparse.Namespace) 
     interpreter: define it at the top level of the script and keep the script's own top
     level under ``if __name__ == "__main__":`` (spawned ranks import the script as
     ``__mp_main__``).
+
+    Spawned ranks that fail end the process with status 1 after one report (the failing
+    rank and its traceback, from :class:`collectives.SpawnError`); Ctrl-C (SIGINT) with
+    130 and SIGTERM with 143, every rank stopped and the job's segments removed.
     """
     if collectives.detect_rendezvous().launcher != "single":
         _rank_entry(main, args)
-    else:
+        return
+    # collectives.spawn stops every rank and removes the job's segments before it
+    # raises; what is left to do here is to say what happened in a few lines, instead of
+    # the parent's own traceback on top of the rank's.
+    prog = f"examples/{args.example}.py"
+    try:
         collectives.spawn(_rank_entry, args.nproc, args=(main, args), backend=args.backend)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; every rank was stopped", file=sys.stderr, flush=True)
+        sys.exit(128 + signal.SIGINT)
+    except collectives.SpawnError as exc:  # the failing rank, its traceback, once
+        print(f"{prog}: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 def _rank_entry(main: Callable[[argparse.Namespace], Any], args: argparse.Namespace) -> None:
