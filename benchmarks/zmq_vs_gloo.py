@@ -8,7 +8,7 @@ alternating, each time in fresh processes, and the median of the R medians is re
 (shared machines drift: alternating keeps the comparison fair). gloo is driven directly
 through ``torch.distributed`` (no wrapper of ours in the way).
 
-    python benchmarks/zmq_vs_gloo.py                       # 4 B and 64 MiB at 2 and 4 ranks
+    python benchmarks/zmq_vs_gloo.py                       # 4 B, 1 MiB, 64 MiB at 2 and 4 ranks
     python benchmarks/zmq_vs_gloo.py --sizes 4,65536 --nprocs 2,3 --json out.json
     COLLECTIVES_ZMQ_TRANSPORT=tcp python benchmarks/zmq_vs_gloo.py   # zmq over TCP only
 """
@@ -47,7 +47,9 @@ def zmq_rank(sizes: list[int], small: int, large: int) -> dict:
     pg = collectives.init_process_group("zmq")
     out = {}
     for nbytes in sizes:
-        t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+        # zeros: repeated sums stay finite (ones overflow to inf after ~128 calls,
+        # with a warning per call)
+        t = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
         iters = _iterations(nbytes, small, large)
         pg.barrier()
         times = _time(lambda: pg.all_reduce(t), max(2, iters // 10), iters)
@@ -67,7 +69,9 @@ def gloo_rank(sizes: list[int], small: int, large: int) -> dict:
                             world_size=int(os.environ["WORLD_SIZE"]))
     out = {}
     for nbytes in sizes:
-        t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+        # zeros: repeated sums stay finite (ones overflow to inf after ~128 calls,
+        # with a warning per call)
+        t = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
         iters = _iterations(nbytes, small, large)
         dist.barrier()
         times = _time(lambda: dist.all_reduce(t), max(2, iters // 10), iters)
@@ -83,7 +87,8 @@ def gloo_rank(sizes: list[int], small: int, large: int) -> dict:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="4,67108864", help="bytes per all_reduce")
+    parser.add_argument("--sizes", default="4,1048576,67108864",
+                        help="bytes per all_reduce")
     parser.add_argument("--nprocs", default="2,4", help="world sizes")
     parser.add_argument("--iters-small", type=int, default=300)
     parser.add_argument("--iters-large", type=int, default=10)

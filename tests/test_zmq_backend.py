@@ -190,6 +190,110 @@ def test_default_algorithms_over_zmq_point_to_point():
     check_backend("p2p:zmq", world_sizes=(3,), max_examples=25, timeout=20)
 
 
+# ------------------------------------------------------------- the fast paths' edges
+def _job_reduce_from_received_parts():
+    """Large all_reduce (reduce-scatter read straight from the received parts): random
+    floats, a late rank (its peers' parts arrive before it posts its receives, so they
+    wait as unexpected messages), several dtypes and AVG."""
+    pg = collectives.init_process_group()
+    r, n = pg.rank, pg.size
+    out = []
+    for count, dtype, op, late in [(3 * 300_001, np.float32, ReduceOp.SUM, 1),
+                                   (1_048_576 * 3 + 7, np.float32, ReduceOp.AVG, 0),
+                                   (200_003, ml_dtypes.bfloat16, ReduceOp.MAX, n - 1),
+                                   (70_001, np.float64, ReduceOp.PRODUCT, -1)]:
+        ins = [np.random.default_rng(100 * p + count).standard_normal(count).astype(dtype)
+               for p in range(n)]
+        a = ins[r].copy()
+        if r == late:
+            time.sleep(0.3)
+        pg.all_reduce(a, op=op)
+        # the documented order: chunk j's owner folds its own part first, then the others
+        # in rank order; every rank receives the owner's bits
+        bounds = [count * j // n for j in range(n + 1)]
+        expect = np.empty(count, dtype)
+        for j in range(n):
+            lo, hi = bounds[j], bounds[j + 1]
+            expect[lo:hi] = reduce_arrays(op, [ins[j][lo:hi]] + [ins[p][lo:hi] for p in range(n)
+                                                                  if p != j])
+        out.append((count, _same(a, expect), hashlib.sha256(a.tobytes()).hexdigest()))
+    pg.close()
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3])  # 2: zero-copy parts; 3: parts copied into scratch
+def test_large_all_reduce_reads_received_parts_in_rank_order(n):
+    results = collectives.spawn(_job_reduce_from_received_parts, n, backend="zmq", timeout=60)
+    for case in zip(*results):
+        assert all(ok for _, ok, _ in case), case
+        assert len({digest for _, _, digest in case}) == 1, case  # bitwise identical
+
+
+def _job_backlog_then_close(count):
+    """Rank 0 floods rank 1 with small messages, meets it in a barrier and closes at
+    once; rank 1 reads the backlog (longer than the lost-peer grace) inside that barrier."""
+    pg = collectives.init_process_group()
+    got = 0
+    if pg.rank == 0:
+        works = [pg.isend(np.full(2, i, np.int32), 1, tag=1) for i in range(count)]
+        pg.barrier()
+        for w in works:
+            w.wait()
+    else:
+        time.sleep(1.0)
+        pg.barrier()  # rank 0's barrier message is behind `count` others
+        buf = np.empty(2, np.int32)
+        for i in range(count):
+            pg.recv(buf, 0, tag=1)
+            got += int(buf[0] == i)
+    pg.close()
+    return got
+
+
+def test_a_backlog_from_a_closing_peer_is_read_before_it_counts_as_lost():
+    assert collectives.spawn(_job_backlog_then_close, 2, args=(20_000,), backend="zmq",
+                             timeout=60) == [0, 20_000]
+
+
+def test_rendezvous_connection_retries_within_milliseconds():
+    """A rank connecting to the rendezvous before rank 0 listens retries after a few ms,
+    backing off to 50 ms (libzmq's fixed 100 ms made 1 world creation in 3 take ~150 ms
+    instead of ~5 ms); data connections, made once every peer listens, never retry."""
+    from backends.zeromq import connect
+
+    class _Sockets(connect.Connector):
+        def __init__(self, ctx):
+            self._ctx, self._heartbeat_s = ctx, 5.0
+
+    ctx = zmq.Context()
+    try:
+        maker = _Sockets(ctx)
+        rdv, data = maker._new_dealer(False, reconnect=True), maker._new_dealer(False, False)
+        assert rdv.getsockopt(zmq.RECONNECT_IVL) <= 10
+        assert 10 < rdv.getsockopt(zmq.RECONNECT_IVL_MAX) <= 100
+        assert data.getsockopt(zmq.RECONNECT_IVL) == -1
+        rdv.close(0)
+        data.close(0)
+    finally:
+        ctx.term()
+
+
+def test_inline_frames_are_checked():
+    """Small tensors travel as one INLINE frame (header + payload): a frame whose length
+    does not match its header, or an oversized one, is not ours (dropped)."""
+    a = np.arange(5, dtype=np.float32)
+    header = wire.pack(wire.Kind.DATA, 0, 1, meta=wire.Meta(3, 7, 5), tag=9, array=a)
+    frame = wire.pack_inline(header, a.data.cast("B"))
+    h = wire.parse(frame)
+    assert h is not None and h.kind == wire.Kind.INLINE and h.nbytes == 20 and h.tag == 9
+    assert np.array_equal(np.frombuffer(frame, np.float32, 5, wire.HEADER.size), a)
+    assert wire.parse(frame + b"x") is None and wire.parse(frame[:-1]) is None
+    assert wire.parse(header + bytes(20)) is None  # a DATA header is never INLINE-sized
+    big = np.zeros(wire.INLINE_MAX // 4 + 1, np.float32)
+    assert wire.parse(wire.pack_inline(wire.pack(wire.Kind.DATA, 0, 1, array=big),
+                                       big.data.cast("B"))) is None
+
+
 # ---------------------------------------------------------------------------- mismatch
 def _expect_mismatch(fn):
     t0 = time.monotonic()
@@ -248,6 +352,9 @@ def test_mismatches_are_detected_and_name_both_sides():
     assert "float32[10]" in texts["size"] and "float32[20]" in texts["size"], texts["size"]
     assert "int32" in texts["dtype"] and "float32" in texts["dtype"], texts["dtype"]
     assert "broadcast" in texts["op"] and "all_reduce" in texts["op"], texts["op"]
+    for r, res in enumerate(results):  # each rank names both roots, its own too
+        text = res["root"][0]
+        assert "root 0" in text and "root 1" in text, f"rank {r}: {text}"
     p2p, _ = results[1]["p2p"]
     assert "float64[4]" in p2p and "int32[5]" in p2p and "tag 3" in p2p, p2p
 
@@ -309,6 +416,63 @@ def test_a_dead_or_hung_peer_is_a_peer_error_within_seconds(tmp_path, how):
         assert outcome["error"] == "PeerError", outcome
         assert outcome["elapsed"] < 10, outcome
         assert f"rank {n - 1}" in outcome["message"], outcome
+
+
+def _outcome(fn, t0: float) -> dict:
+    try:
+        fn()
+        out = {"error": None}
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out = {"error": type(exc).__name__, "message": str(exc),
+               "peer": getattr(exc, "peer", None)}
+    out["elapsed"] = time.monotonic() - t0
+    return out
+
+
+def _job_death_reaches_everyone(path: str):
+    """Rank 2 dies (SIGSTOPped by rank 0 first, then SIGKILLed) while rank 0 waits for a
+    zero-copy send to it that its stopped I/O thread could not take, and rank 1 waits in
+    a broadcast for rank 0 only (a survivor that never sends)."""
+    pg = collectives.init_process_group()
+    pids = pg.all_gather_object(os.getpid())
+    if pg.rank == 2:
+        time.sleep(60)  # stopped, then killed by rank 0
+        return
+    if pg.rank == 1:
+        t0 = time.monotonic()
+        _write(path, 1, {"broadcast": _outcome(
+            lambda: pg.broadcast(np.ones(4, np.float32), src=0), t0)})
+        pg.close()
+        return
+    os.kill(pids[2], signal.SIGSTOP)
+    work = pg.isend(np.ones(16 << 20, np.float32), dst=2)  # 64 MiB: more than buffers hold
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    os.kill(pids[2], signal.SIGKILL)
+    out = {"send": _outcome(work.wait, t0)}
+    t1 = time.monotonic()  # the next collective over the broken world fails at once
+    out["barrier"] = _outcome(pg.barrier, t1)
+    _write(path, 0, out)
+    pg.close()
+
+
+def test_a_death_reaches_every_survivor_naming_the_dead_rank(tmp_path):
+    """A send the dead rank never took fails at once (it used to wait for the timeout),
+    and so does a survivor's wait for another survivor: a collective over a dead rank
+    cannot complete. The group timeout (30 s) is far beyond the launcher's patience with
+    the survivors (~3 s after the death), so only a prompt PeerError writes its file."""
+    path = str(tmp_path / "outcome")
+    with pytest.raises(SpawnError):
+        collectives.spawn(_job_death_reaches_everyone, 3, args=(path,), backend="zmq",
+                          timeout=30)
+    outcomes = {}
+    for r in (0, 1):
+        with open(f"{path}.{r}") as f:
+            outcomes.update(json.load(f))
+    for what, out in outcomes.items():
+        assert out["error"] == "PeerError" and out["peer"] == 2, (what, out)
+        assert "rank 2" in out["message"] and out["elapsed"] < 2.0, (what, out)
+    assert outcomes["barrier"]["elapsed"] < 0.5, outcomes["barrier"]
 
 
 def _job_timeouts():

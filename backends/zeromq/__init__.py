@@ -27,8 +27,11 @@ Wire format. A fixed 132-byte binary header (magic, protocol version, kind, op, 
 reduce op, ndim, src, dst, group id, sequence number, tag, element count, byte count, byte
 offset, the call's element count and root, shape) followed by the tensor's raw bytes as a
 separate frame, sent zero-copy (with a tracker, so the buffer is not reused early) from 64
-KiB up. Tensors above 4 MiB travel as several such messages, which the receiver copies
-into place one by one while the next is on the wire. Tensor traffic is never pickled.
+KiB up; tensors of at most 8 KiB travel as one INLINE frame (header and bytes together:
+one send and one receive call fewer). Tensors above 4 MiB travel as several such
+messages, which the receiver copies into place one by one while the next is on the wire
+(or, in a large all_reduce's reduce-scatter, reduces straight out of the received frames:
+no copy). Tensor traffic is never pickled.
 A receiver compares each header with what it expects (op, sequence number, dtype, element
 and byte counts, root, reduce op) and raises ``CollectiveMismatch`` naming both sides; it
 also notices a peer that is already in a later collective, or that sent a message for a
@@ -44,12 +47,17 @@ world's sockets; their messages carry their own group id. See
 
 Faults. ZMTP heartbeats (every ``COLLECTIVES_ZMQ_HEARTBEAT_S``/5 s, timeout
 ``COLLECTIVES_ZMQ_HEARTBEAT_S``, default 5) close silent connections; a socket monitor
-reports each closed connection, mapped to the rank that authenticated on it, and waits on
-that rank raise ``PeerError`` (a dead process: at once; a vanished host: within the
-heartbeat timeout). Every wait honours the group timeout and raises ``CollectiveTimeout``
+reports each closed connection, mapped to the rank that authenticated on it (each rank is
+connected to every other, so every survivor sees a death itself). Then every collective of
+a group of the dead rank raises ``PeerError`` naming it: waits for it, waits for another
+survivor of that group, sends it never took, and the calls that follow (a dead process:
+within ~0.1 s; a vanished host: within the heartbeat timeout). As with torch's backends, a
+rank whose part of the call in flight is done (a sender in ``gather``) may return from it;
+its next call raises. Every wait honours the group timeout and raises ``CollectiveTimeout``
 naming the op, its sequence number and the rank waited for. ``close()`` says goodbye to the
-peers, closes every socket (queued sends get at most ``COLLECTIVES_ZMQ_LINGER_S``, default
-2 s) and the context, and removes the ipc directory; no thread or port stays behind.
+peers, closes every socket (queued sends to live peers get at most
+``COLLECTIVES_ZMQ_LINGER_S``, default 2 s; to peers that closed or died, none) and the
+context, and removes the ipc directory; no thread or port stays behind.
 
 Threat model
 ------------

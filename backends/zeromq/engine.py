@@ -22,7 +22,15 @@ Liveness
     connection whose peer went silent; a dead process closes its connections at once. A
     monitor on the ROUTER reports each closed inbound connection by file descriptor, mapped
     to the rank that authenticated on it (``ZMQ_SRCFD`` of its proof), so a rank waiting
-    for a dead peer raises PeerError after draining what that peer had sent.
+    for a dead peer raises PeerError after draining what that peer had sent. Every rank
+    is connected to every other, so each survivor sees the death itself: it then fails
+    every collective wait in a group of the dead rank (also a wait for another survivor,
+    which may have given up), every collective over it started later, and every send
+    still waiting to be taken by it (a zero-copy frame queued to a dead connection is
+    never released), each with PeerError naming the dead rank. A rank that only sends
+    looks at the monitor when a collective starts (at most every MONITOR_LOOK_S), so its
+    next call fails. A peer that said BYE (closed its group) had finished its calls:
+    only waits for it fail.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import os
 import struct
 import threading
 import time
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import numpy as np
 import zmq
@@ -50,6 +58,8 @@ from .connect import (LOST_GRACE_S, SLICE_S, ZERO_COPY_MIN, Connector, _Inbound,
 
 
 _HAS_RECV_INTO = hasattr(zmq.Socket, "recv_into")
+#: How often a collective's start looks for a closed connection nobody waited on.
+MONITOR_LOOK_S = 0.01
 
 
 class Call:
@@ -57,7 +67,7 @@ class Call:
     deadline, and how to name ranks in its errors."""
 
     __slots__ = ("gid", "members", "rank", "size", "op", "seq", "meta", "dtype", "deadline",
-                 "timeout", "where", "collective")
+                 "timeout", "_where", "collective")
 
     def __init__(self, gid: int, members: tuple, rank: int, op: str, seq: int,
                  meta: wire.Meta, dtype: int, timeout: float, where: str,
@@ -66,7 +76,15 @@ class Call:
         self.op, self.seq, self.meta, self.dtype = op, seq, meta, dtype
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout if collective else None
-        self.where, self.collective = where, collective
+        self._where, self.collective = where, collective
+
+    @property
+    def where(self) -> str:
+        """``[rank r/n] op`` (with ``(seq s)`` for a collective), for error messages:
+        formatted only when one is raised, not on every call."""
+        if self.collective:
+            return f"{self._where} (seq {self.seq})"
+        return self._where
 
     def group_rank(self, world: int) -> int:
         try:
@@ -82,16 +100,22 @@ class Call:
 
 
 class _Recv:
-    __slots__ = ("call", "src", "tag", "view", "done", "error", "key", "count", "dtype",
-                 "shape")
+    """A posted receive. Normally the payload is copied into ``view``; with ``frames``
+    (a list) the parts are kept as received, ``(byte offset, buffer)`` in order, for the
+    caller to read (e.g. reduce) without a copy into ``view`` first."""
 
-    def __init__(self, call: Call, src: int, tag: int, array: np.ndarray) -> None:
+    __slots__ = ("call", "src", "tag", "view", "done", "error", "key", "count", "dtype",
+                 "shape", "frames")
+
+    def __init__(self, call: Call, src: int, tag: int, array: np.ndarray,
+                 frames: Optional[list] = None) -> None:
         self.call, self.src, self.tag = call, src, tag
         self.count, self.dtype, self.shape = array.size, wire.dtype_code(array.dtype), array.shape
         self.view = array.reshape(-1).view(np.uint8)
         self.done = False
         self.error: Optional[BaseException] = None
         self.key = (src, call.gid, tag)
+        self.frames = frames
 
 
 class _Msg:
@@ -112,14 +136,15 @@ class _Partial:
 
 
 class _GroupState:
-    __slots__ = ("gid", "members", "active_seq", "active_sig", "done_seq", "failed_upto",
-                 "error", "seen", "posted_from")
+    __slots__ = ("gid", "members", "active_seq", "active_sig", "done_seq", "done_sig",
+                 "failed_upto", "error", "seen", "posted_from")
 
     def __init__(self, gid: int, members: tuple) -> None:
         self.gid, self.members = gid, members
         self.active_seq = -1
         self.active_sig: Optional[tuple] = None
         self.done_seq = -1
+        self.done_sig: Optional[tuple] = None          # signature of call done_seq
         self.failed_upto = -1
         self.error: Optional[str] = None
         self.seen: dict[int, wire.Header] = {}         # src -> its message of highest seq
@@ -137,6 +162,17 @@ class _RecvWork(Work):
 
     def is_completed(self) -> bool:
         return self._engine.test_recv(self._req)
+
+
+class _PartsWork(_RecvWork):
+    """A receive whose parts are read where they arrived (see :meth:`Engine.irecv_parts`)."""
+
+    __slots__ = ()
+
+    def parts(self, timeout: Optional[float] = None) -> Iterator[tuple[int, memoryview]]:
+        """Yield ``(byte offset, bytes)`` of each part in order, as soon as it arrived;
+        raises like ``wait``."""
+        return self._engine.iter_parts(self._req, timeout)
 
 
 class _SendWork(Work):
@@ -173,6 +209,8 @@ class Engine(Connector):
         self._groups: dict[int, _GroupState] = {}
         self._early_aborts: dict[int, tuple[int, str]] = {}
         self._down: dict[int, str] = {}
+        self._dead: set[int] = set()  # the ranks in _down that went without saying BYE
+        self._next_look = 0.0  # when begin() may next look at the monitor
         self._lost: dict[int, float] = {}
         self._fd_rank: dict[int, int] = {}
         self._dealers: list[Optional[zmq.Socket]] = [None] * self.size
@@ -201,25 +239,28 @@ class Engine(Connector):
         if not sock.get(_RCVMORE):
             self.stats["rejected"] += 1
             return
-        frame = sock.recv(_NOBLOCK, copy=False)
-        h = wire.parse(frame.bytes)
-        if h is None:
-            self._reject(sock)
-            return
         peer = inb.rid_rank.get(rid)
-        if peer is None:
-            if h.kind == Kind.HELLO:
+        if peer is None:  # a handshake: its proof needs the frame's file descriptor
+            frame = sock.recv(_NOBLOCK, copy=False)
+            h = wire.parse(frame.bytes)
+            if h is None:
+                self._reject(sock)
+            elif h.kind == Kind.HELLO:
                 self._on_hello(inb, rid, h)
             elif h.kind == Kind.PROOF:
                 self._on_proof(inb, rid, h, frame)
             else:
                 self._reject(sock)
             return
-        if h.src != peer or h.dst != self.rank or inb is not self._inbound:
+        data = sock.recv(_NOBLOCK)  # a header (or an INLINE frame): small, copied
+        h = wire.parse(data)
+        if h is None or h.src != peer or h.dst != self.rank or inb is not self._inbound:
             self._reject(sock)
             return
         if h.kind == Kind.DATA:
-            self._on_data(peer, h)
+            self._on_data(peer, h, None)
+        elif h.kind == Kind.INLINE:
+            self._on_data(peer, h, data)
         elif h.kind == Kind.ABORT:
             text = sock.recv(zmq.NOBLOCK).decode("utf-8", "replace") if sock.getsockopt(zmq.RCVMORE) else ""
             self._discard(sock)
@@ -269,6 +310,20 @@ class Engine(Connector):
             if gs.error:
                 raise CollectiveMismatch(f"{call.where}: the group is unusable after an "
                                          f"earlier error: {gs.error}")
+            if not self._token and (self._lost or self._look_at_monitor()):
+                # A peer's connection closed and nobody waits to notice (a rank that only
+                # sends, e.g. gather to another root): look now, so that the calls after
+                # a death fail instead of sending on into a broken group.
+                self._token = True
+                self._lock.release()
+                try:
+                    self._drain()
+                finally:
+                    self._lock.acquire()
+                    self._token = False
+                    self._cond.notify_all()
+            if self._dead:
+                self._raise_if_member_dead(call)
             gs.active_seq, gs.active_sig = call.seq, sig
             for key, q in self._unexpected.items():
                 if key[1] != call.gid:
@@ -286,7 +341,8 @@ class Engine(Connector):
             gs = self._groups.get(call.gid)
             if gs is None:
                 return
-            gs.done_seq = max(gs.done_seq, call.seq)
+            if call.seq >= gs.done_seq:
+                gs.done_seq, gs.done_sig = call.seq, gs.active_sig
             gs.active_seq, gs.active_sig = -1, None
             if not ok:
                 gs.failed_upto = max(gs.failed_upto, call.seq)
@@ -304,13 +360,40 @@ class Engine(Connector):
                     else:
                         del self._posted[key]
 
+    def _look_at_monitor(self) -> bool:
+        """Lock held, token free: :meth:`_monitor_pending`, asked at most once per
+        MONITOR_LOOK_S (a look costs ~1.5 us; the clock ~0.1 us; waiters look anyway)."""
+        now = time.monotonic()
+        if now < self._next_look:
+            return False
+        self._next_look = now + MONITOR_LOOK_S
+        return self._monitor_pending()
+
+    def _monitor_pending(self) -> bool:
+        """Lock held, token free (so no thread uses the monitor): an event is queued."""
+        mon = self._monitor
+        return mon is not None and bool(mon.get(_EVENTS) & _POLLIN)
+
+    def _raise_if_member_dead(self, call: Call) -> None:
+        """Lock held: PeerError naming the first member of ``call``'s group that died (a
+        collective over it cannot complete)."""
+        for m in call.members:
+            if m in self._dead:
+                why = self._down[m]
+                raise PeerError(f"{call.where}: {call.peer(m)} {why}; a collective over it "
+                                f"cannot complete", peer=m)
+
     def _check_sequence(self, gs: _GroupState, src: int, h: wire.Header) -> Optional[str]:
         """Why a collective message from ``src`` cannot belong to a call this rank makes
         (None when it can)."""
         if h.seq <= gs.done_seq and h.seq > gs.failed_upto:
+            # Name this rank's own side too when it is the call just finished (a root or
+            # size mismatch usually shows there): both calls, as for the other mismatches.
+            mine = f" as {_describe_sig(h.seq, gs.done_sig)}" \
+                if h.seq == gs.done_seq and gs.done_sig is not None else ""
             return (f"rank {_group_rank(gs, src)} sent {_describe_header(h)}, a collective this "
-                    f"rank already finished without that message: the ranks called it with "
-                    f"different sizes, roots or dtypes")
+                    f"rank already finished{mine} without that message: the ranks called it "
+                    f"with different sizes, roots or dtypes")
         if h.seq == gs.active_seq and gs.active_sig is not None and \
                 _sig_differs(_signature(h), gs.active_sig):
             return (f"rank {_group_rank(gs, src)} called {_describe_header(h)} but this rank "
@@ -331,6 +414,9 @@ class Engine(Connector):
         why = self._down.get(dst)
         if why is not None:
             raise PeerError(f"{call.where}: cannot send to {call.peer(dst)}: it {why}", peer=dst)
+        if self._dead and call.collective:  # a member died after this collective began
+            with self._lock:
+                self._raise_if_member_dead(call)
         header = wire.pack(Kind.DATA, self.rank, dst, meta=call.meta, gid=call.gid, tag=tag,
                            array=array)
         flat = array.reshape(-1).view(np.uint8) if array.size else None
@@ -342,6 +428,8 @@ class Engine(Connector):
             try:
                 if flat is None:
                     sock.send(header, _NOBLOCK)
+                elif flat.size <= wire.INLINE_MAX:
+                    sock.send(wire.pack_inline(header, flat.data), _NOBLOCK)
                 else:
                     for off in range(0, flat.size, wire.FRAME_MAX):
                         chunk = flat[off:off + wire.FRAME_MAX]
@@ -359,8 +447,16 @@ class Engine(Connector):
         tracker = zmq.MessageTracker(*frames) if frames else None
         return _SendWork(self, call, dst, tracker)
 
-    def irecv(self, call: Call, src: int, tag: int, array: np.ndarray) -> Work:
-        req = _Recv(call, src, tag, array)
+    def irecv_parts(self, call: Call, src: int, tag: int, like: np.ndarray) -> "_PartsWork":
+        """Receive a message shaped like ``like`` without copying it anywhere: its parts
+        stay in the buffers they arrived in, read in order through ``parts()`` (a
+        reduction reads them straight from there, saving a copy of every byte). Same
+        checks, errors and timeouts as :meth:`irecv`; ``like`` is not written."""
+        return self.irecv(call, src, tag, like, frames=True)
+
+    def irecv(self, call: Call, src: int, tag: int, array: np.ndarray,
+              frames: bool = False) -> Work:
+        req = _Recv(call, src, tag, array, [] if frames else None)
         collective = call.collective  # a collective of ours (sequence numbers are checked)
         with self._lock:
             self._check_open(call)
@@ -377,10 +473,9 @@ class Engine(Connector):
                 if problem:
                     self._mismatch(req, problem)
                     raise req.error
-                if msg.buf.size:
-                    req.view[...] = msg.buf
+                self._fill(req, msg.buf)
                 req.done = True
-                return _RecvWork(self, req)
+                return _PartsWork(self, req) if frames else _RecvWork(self, req)
             if collective and gs is not None:
                 seen = gs.seen.get(src)
                 if seen is not None and seen.seq > call.seq:
@@ -390,10 +485,21 @@ class Engine(Connector):
             if why is not None:
                 raise PeerError(f"{call.where}: {call.peer(src)} {why} before sending the "
                                 f"message this rank waits for", peer=src)
+            if collective and self._dead:  # a member died after this collective began
+                self._raise_if_member_dead(call)
             self._posted.setdefault(req.key, collections.deque()).append(req)
             if collective and gs is not None:
                 gs.posted_from.setdefault(src, set()).add(req)
-        return _RecvWork(self, req)
+        return _PartsWork(self, req) if frames else _RecvWork(self, req)
+
+    @staticmethod
+    def _fill(req: _Recv, buf: np.ndarray) -> None:
+        """A whole message that arrived before ``req`` was posted goes to ``req``."""
+        if req.frames is not None:
+            if buf.size:
+                req.frames.append((0, buf))
+        elif buf.size:
+            req.view[...] = buf
 
     def _unindex(self, req: _Recv) -> None:
         if req.call.collective:
@@ -468,11 +574,15 @@ class Engine(Connector):
                     except zmq.ZMQError:
                         pass
 
-    def _mark_down(self, peer: int, why: str) -> None:
-        """Lock held: ``peer`` is gone; fail every receive waiting for it."""
+    def _mark_down(self, peer: int, why: str, died: bool = False) -> None:
+        """Lock held: ``peer`` is gone; fail every receive waiting for it, and when it
+        ``died`` (no BYE: it cannot have finished its part), every collective wait in a
+        group it belongs to."""
         if peer in self._down:
             return
         self._down[peer] = why
+        if died:
+            self._dead.add(peer)
         for key in [k for k in self._partial if k[0] == peer]:
             r = self._partial.pop(key).req
             if r is not None and r.error is None and not r.done:
@@ -484,12 +594,39 @@ class Engine(Connector):
                 if r.error is None and not r.done:
                     r.error = PeerError(f"{r.call.where}: {r.call.peer(peer)} {why} before "
                                         f"sending the message this rank waits for", peer=peer)
+        if not died:  # a rank that closed its group had finished every call it made
+            self._cond.notify_all()
+            return
+        # A collective over the dead rank cannot complete even where this rank waits for
+        # another member (which may wait for the dead one, or give up on it): fail those
+        # waits too, naming the dead rank, rather than let them time out naming a survivor.
+        groups = {gid for gid, gs in self._groups.items() if peer in gs.members}
+        for key in [k for k in self._partial if k[1] in groups]:
+            r = self._partial[key].req
+            if r is not None and r.call.collective:
+                del self._partial[key]
+                if r.error is None and not r.done:
+                    r.error = PeerError(f"{r.call.where}: {r.call.peer(peer)} {why}; a "
+                                        f"collective over it cannot complete", peer=peer)
+        for key in [k for k in self._posted if k[1] in groups]:
+            q = self._posted[key]
+            kept = collections.deque(r for r in q if not r.call.collective)
+            for r in q:
+                if r.call.collective:
+                    self._unindex(r)
+                    if r.error is None and not r.done:
+                        r.error = PeerError(f"{r.call.where}: {r.call.peer(peer)} {why}; a "
+                                            f"collective over it cannot complete", peer=peer)
+            if kept:
+                self._posted[key] = kept
+            else:
+                del self._posted[key]
         self._cond.notify_all()
 
     # ======================================================================= progress
-    def _on_data(self, src: int, h: wire.Header) -> None:
-        """A DATA message (one part of a tensor) from authenticated ``src``; its payload
-        frame is still unread."""
+    def _on_data(self, src: int, h: wire.Header, data: Optional[bytes]) -> None:
+        """A DATA message (one part of a tensor) from authenticated ``src``, its payload
+        frame still unread; or an INLINE message, ``data`` (header and payload)."""
         key = (src, h.gid, h.tag)
         with self._lock:
             if h.offset:
@@ -518,19 +655,28 @@ class Engine(Connector):
                 if problem:
                     self._discard(self._router)
                     self._mismatch(req, problem)
-                elif not self._recv_part(h, req.view):
+                elif not self._recv_part(h, req.view, data, req.frames):
                     self._malformed(req, src)
                 elif wire.part_size(h.nbytes, 0) < h.nbytes:
                     self._partial[key] = _Partial(req, None, h)
+                    if req.frames is not None:
+                        self._cond.notify_all()  # a reader of the parts may start
                     return
                 else:
                     req.done = True
                 self._cond.notify_all()
                 return
-            buf = np.empty(h.nbytes, np.uint8)
-            if not self._recv_part(h, buf):
-                self.stats["rejected"] += 1
-                return
+            if data is not None:  # keep the INLINE frame: read-only, never written
+                buf = np.frombuffer(data, np.uint8, h.nbytes, wire.HEADER.size)
+                if self._router.get(_RCVMORE):
+                    self._discard(self._router)
+                    self.stats["rejected"] += 1
+                    return
+            else:
+                buf = np.empty(h.nbytes, np.uint8)
+                if not self._recv_part(h, buf):
+                    self.stats["rejected"] += 1
+                    return
             self.stats["unexpected"] += 1
             msg = _Msg(h, buf)
             if wire.part_size(h.nbytes, 0) < h.nbytes:
@@ -548,14 +694,20 @@ class Engine(Connector):
                 if part.req is not None:
                     self._malformed(part.req, src)
             return
-        target = part.req.view if part.req is not None else part.msg.buf
-        if not self._recv_part(h, target):
+        req = part.req
+        if req is not None:
+            ok = self._recv_part(h, req.view, None, req.frames)
+        else:
+            ok = self._recv_part(h, part.msg.buf)
+        if not ok:
             del self._partial[key]
             if part.req is not None:
                 self._malformed(part.req, src)
             return
         part.next += wire.part_size(h.nbytes, h.offset)
         if part.next < h.nbytes:
+            if req is not None and req.frames is not None:
+                self._cond.notify_all()  # a reader of the parts may go on
             return
         del self._partial[key]
         if part.req is not None:
@@ -572,7 +724,7 @@ class Engine(Connector):
             if problem:
                 self._mismatch(req, problem)
             else:
-                req.view[...] = part.msg.buf
+                self._fill(req, part.msg.buf)
                 req.done = True
             self._cond.notify_all()
         else:
@@ -583,12 +735,28 @@ class Engine(Connector):
                               f"{req.call.peer(src)}", peer=src)
         self._cond.notify_all()
 
-    def _recv_part(self, h: wire.Header, view: np.ndarray) -> bool:
-        """Read the payload frame of part ``h.offset`` into ``view`` (bytes of the tensor)."""
+    def _recv_part(self, h: wire.Header, view: np.ndarray, data: Optional[bytes] = None,
+                   frames: Optional[list] = None) -> bool:
+        """Read the payload of part ``h.offset`` into ``view`` (bytes of the tensor): from
+        ``data`` (an INLINE frame), or the next frame; with ``frames``, append that frame
+        itself (zero-copy) as ``(offset, buffer)`` instead."""
         sock = self._router
         size = wire.part_size(h.nbytes, h.offset) if h.nbytes else 0
         try:
-            if size:
+            if data is not None:  # parse() checked len(data) == header + nbytes
+                if frames is not None:
+                    frames.append((0, memoryview(data)[wire.HEADER.size:]))
+                else:
+                    view[:size] = np.frombuffer(data, np.uint8, size, wire.HEADER.size)
+            elif size and frames is not None:
+                if not sock.get(_RCVMORE):
+                    return False
+                frame = sock.recv(_NOBLOCK, copy=False)
+                if len(frame) != size:
+                    self._discard(sock)
+                    return False
+                frames.append((h.offset, frame.buffer))
+            elif size:
                 if not sock.get(_RCVMORE):
                     return False
                 if _HAS_RECV_INTO:
@@ -637,13 +805,16 @@ class Engine(Connector):
                 self._on_router_message(inb, rid)
             except zmq.Again:
                 self.stats["rejected"] += 1
-        if self._lost:
+        if self._lost and n < limit:
+            # Fail waits on a lost peer only once everything that arrived before has
+            # been read (a long backlog can take longer than the grace to drain, and the
+            # lost peer's last messages are at its end).
             now = time.monotonic()
             for peer, since in list(self._lost.items()):
                 if now - since >= LOST_GRACE_S:
                     del self._lost[peer]
                     with self._lock:
-                        self._mark_down(peer, "died or lost its connection")
+                        self._mark_down(peer, "died or lost its connection", died=True)
         return n
 
     def _progress(self, timeout: float) -> None:
@@ -674,7 +845,28 @@ class Engine(Connector):
     def wait_recv(self, req: _Recv, timeout: Optional[float]) -> None:
         if req.done:
             return
+        self._wait(req, self._deadline(req.call, timeout), timeout, None)
+
+    def iter_parts(self, req: _Recv, timeout: Optional[float]) -> Iterator[tuple[int, Any]]:
+        """The parts of a ``frames`` receive, in order, each as soon as it arrived."""
         deadline = self._deadline(req.call, timeout)
+        frames, i = req.frames, 0
+        while True:
+            if i < len(frames):
+                item, frames[i] = frames[i], None  # read once: libzmq's buffer is freed
+                i += 1                              # (and reused by malloc) after its use
+                yield item
+            elif req.done:
+                return
+            else:
+                self._wait(req, deadline, timeout, lambda: len(frames) > i)
+
+    def _wait(self, req: _Recv, deadline: float, timeout: Optional[float],
+              ready: Optional[Callable[[], bool]]) -> None:
+        """Make progress until ``req`` is done (or ``ready()``), failed, or ``deadline``
+        passed (CollectiveTimeout naming op, seq and the rank waited for). One waiter at
+        a time holds the progress token and blocks in zmq_poll on the ROUTER; the others
+        sleep on the condition variable until it hands over."""
         cond = self._cond
         while True:
             with cond:
@@ -683,6 +875,8 @@ class Engine(Connector):
                         return
                     if req.error is not None:
                         raise req.error
+                    if ready is not None and ready():
+                        return
                     if self._closed:
                         raise CollectiveError(f"{req.call.where}: the group was closed while "
                                               f"waiting")
@@ -725,6 +919,29 @@ class Engine(Connector):
     def wait_send(self, tracker: Any, call: Call, dst: int, timeout: Optional[float]) -> None:
         deadline = self._deadline(call, timeout)
         while not tracker.done:
+            with self._cond:
+                # Nobody else may be reading the sockets: learn of a death here too, or a
+                # send to a dead rank would wait for the whole timeout.
+                if not self._token and not self._closed and (self._lost or
+                                                             self._monitor_pending()):
+                    self._token = True
+                    mine = True
+                else:
+                    mine = False
+            if mine:
+                try:
+                    self._drain()
+                finally:
+                    with self._cond:
+                        self._token = False
+                        self._cond.notify_all()
+            if self._down:
+                with self._lock:
+                    if call.collective and self._dead:
+                        self._raise_if_member_dead(call)
+                    elif dst in self._down:
+                        raise PeerError(f"{call.where}: {call.peer(dst)} {self._down[dst]} "
+                                        f"before taking the message", peer=dst)
             now = time.monotonic()
             if now >= deadline:
                 wait = timeout if timeout is not None else call.timeout
@@ -748,6 +965,7 @@ class Engine(Connector):
             until = time.monotonic() + 2.0  # a waiter hands the token back within a slice
             while self._token and time.monotonic() < until:
                 self._cond.wait(SLICE_S)
+            mine = not self._token  # else a waiter is stuck in the sockets: leave them
             self._token = True
             for q in self._posted.values():
                 for r in q:
@@ -761,6 +979,17 @@ class Engine(Connector):
             self._unexpected.clear()
             self._partial.clear()
             self._cond.notify_all()
+        if mine and self._router is not None:
+            # Read the BYEs of peers that closed first: a BYE (or a queued send) to them
+            # would wait out the whole linger in ctx.term (2 s, in 1 close in 15).
+            try:
+                self._drain()
+            except zmq.ZMQError:
+                pass
+            with self._lock:  # what the drain queued for the closed group
+                self._posted.clear()
+                self._unexpected.clear()
+                self._partial.clear()
         for p, sock in enumerate(self._dealers):
             if sock is None:
                 continue
@@ -776,7 +1005,8 @@ class Engine(Connector):
         for p, sock in enumerate(self._dealers):
             if sock is not None:
                 with self._dealer_locks[p]:
-                    sock.close(linger=linger_ms)
+                    # nothing queued for a rank that is gone can be delivered: no linger
+                    sock.close(linger=0 if p in self._down else linger_ms)
                     self._dealers[p] = None
         for out in list(getattr(self, "_outbound", {}).values()):
             if not out.sock.closed:

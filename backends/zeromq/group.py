@@ -44,6 +44,14 @@ class _CallLinks:
     def _irecv(self, array: np.ndarray, src: int, tag: int) -> Work:
         return self._engine.irecv(self._call, self._members[src], tag, array)
 
+    def _irecv_parts(self, like: np.ndarray, src: int, tag: int) -> Work:
+        """Receive a message shaped like ``like`` into the buffers it arrives in; read
+        it with ``work.parts()`` (see :meth:`Engine.irecv_parts`)."""
+        return self._engine.irecv_parts(self._call, self._members[src], tag, like)
+
+
+_P2P_META = wire.Meta(wire.OP_CODES["send"], wire.NO_SEQ)
+
 
 class ZmqGroup(ProcessGroup):
     """Ranks connected by ZeroMQ sockets. A sub-group shares its world's sockets; its
@@ -90,8 +98,7 @@ class ZmqGroup(ProcessGroup):
 
     # ----------------------------------------------------------------- point to point
     def _p2p_call(self, what: str) -> Call:
-        return Call(self._gid, self._members, self.rank, what, -1,
-                    wire.Meta(wire.OP_CODES["send"], wire.NO_SEQ), 0, self.timeout,
+        return Call(self._gid, self._members, self.rank, what, -1, _P2P_META, 0, self.timeout,
                     self._where(what), collective=False)
 
     def _isend(self, array: np.ndarray, dst: int, tag: int) -> Work:
@@ -106,7 +113,7 @@ class ZmqGroup(ProcessGroup):
         meta = wire.Meta(wire.OP_CODES[op], seq, count, root, wire.REDOP_CODES[redop])
         code = wire.dtype_code(dtype)
         call = Call(self._gid, self._members, self.rank, op, seq, meta, code, self.timeout,
-                    f"{self._where(op)} (seq {seq})", collective=True)
+                    self._where(op), collective=True)  # Call.where adds "(seq N)"
         if self.size == 1:
             fn(Links(_CallLinks(self, call), seq))
             return

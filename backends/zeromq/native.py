@@ -24,8 +24,12 @@ folds the same ``n`` vectors in rank order ``0, 1, ..., n-1`` (direct), or each 
 reduced by exactly one rank (its chunk's owner: its own part first, then the others in
 rank order; or the ring's order) and the others copy its bits.
 
-Receive buffers for the parts of large reductions come from a :class:`Scratch` that the
-group keeps between calls (fresh memory costs a page fault per 4 KiB on first touch).
+The reduce-scatter of a large all_reduce between two ranks reads every received part
+straight from the buffer libzmq received it into (``irecv_parts``), folding it in as soon
+as it arrived: no receive buffer, no copy of the received bytes, and the addition overlaps
+the transfer. With more ranks the parts are folded in rank order, so those of later peers
+would wait, each holding a fresh libzmq buffer (page faults on every call); there they
+are copied into a :class:`Scratch` the group keeps between calls instead.
 """
 
 from __future__ import annotations
@@ -144,25 +148,67 @@ def direct_all_reduce(links: Links, a: np.ndarray, op: ReduceOp) -> None:
 def direct_rsag_all_reduce(links: Links, a: np.ndarray, op: ReduceOp) -> None:
     """Reduce-scatter (rank ``j`` reduces chunk ``j`` of everyone's ``a``, in rank order)
     then all-gather of the reduced chunks; both phases direct. ``2(n-1)/n m`` bytes in and
-    out per rank, two rounds."""
+    out per rank, two rounds.
+
+    The reduce-scatter reads each received part straight from the buffer it arrived in
+    (no copy into a receive buffer first: on a machine whose cores share one memory bus
+    that copy costs as much as the addition) and folds it in as soon as it is there, so
+    the addition of one 4 MiB part overlaps the arrival of the next."""
     n, r = links.size, links.rank
     bounds = ring.chunk_bounds(a.size, n)
     lo, hi = bounds[r], bounds[r + 1]
+    mine = a[lo:hi]                # this rank alone reduces chunk r: own part, then rank order
     peers = _peers(links)
-    parts = dict(zip(peers, _scratch(links).arrays(len(peers), hi - lo, a.dtype)))
-    works = []
-    for p in peers:
+    zero_copy = n == 2  # see the module docstring
+    recvs = {p: _irecv_parts(links, mine, p, 0, zero_copy) for p in peers} if hi > lo else {}
+    sends = [links.isend(a[bounds[p]:bounds[p + 1]], p, 0) for p in peers
+             if bounds[p + 1] > bounds[p]]
+    error = None
+    try:
+        for p in peers:            # rank order, whatever order the data arrives in
+            work = recvs.get(p)
+            if work is None:
+                continue
+            for offset, buf in work.parts():
+                part = np.frombuffer(buf, a.dtype)
+                at = offset // a.itemsize
+                combine_into(op, mine[at:at + part.size], part)
+                del part, buf  # the received buffer goes back to libzmq's allocator now
         if hi > lo:
-            works.append(links.irecv(parts[p], p, 0))
-        if bounds[p + 1] > bounds[p]:
-            works.append(links.isend(a[bounds[p]:bounds[p + 1]], p, 0))
-    wait_all(works)
-    if hi > lo:
-        mine = a[lo:hi]            # this rank alone reduces chunk r: own part, then rank order
-        for p in peers:
-            combine_into(op, mine, parts[p])
-        finish(op, mine, n)
+            finish(op, mine, n)
+    except BaseException as exc:  # noqa: BLE001 - re-raised once the sends are done
+        error = exc
+    try:
+        wait_all(sends)            # ``a`` is sent from in place (zero-copy)
+    except BaseException as exc:  # noqa: BLE001
+        error = error or exc
+    if error is not None:
+        raise error
     direct_all_gather_chunks(links, a, bounds, step=1)
+
+
+class _CopiedParts:
+    """``parts()`` of a plain receive (a group without zero-copy receives): the whole
+    message, once it is in."""
+
+    def __init__(self, work, array: np.ndarray) -> None:
+        self._work, self._array = work, array
+
+    def parts(self):
+        self._work.wait()
+        yield 0, self._array.reshape(-1).view(np.uint8)
+
+
+def _irecv_parts(links: Links, like: np.ndarray, src: int, step: int, zero_copy: bool):
+    """A receive from ``src`` whose ``parts()`` yields ``(byte offset, buffer)`` pairs:
+    with ``zero_copy`` on a zmq group, each part as it arrives, in libzmq's buffer; else
+    the whole message once received into this peer's slot of the group's scratch."""
+    fast = getattr(links._group, "_irecv_parts", None)
+    if zero_copy and fast is not None:
+        return fast(like, src, links.tag(step))
+    slot = src if src < links.rank else src - 1  # one slot per peer
+    buf = _scratch(links).arrays(links.size - 1, like.size, like.dtype)[slot]
+    return _CopiedParts(links.irecv(buf, src, step), buf)
 
 
 def direct_all_gather_chunks(links: Links, a: np.ndarray, bounds: list, *, step: int,

@@ -4,8 +4,11 @@ Every message is a ZeroMQ multipart message: one fixed-size binary header frame
 (:data:`HEADER`, 132 bytes, little endian) followed by its body frames. A tensor travels
 as one or more DATA messages, each a header plus one raw frame of at most
 :data:`FRAME_MAX` bytes starting at byte ``offset`` of the tensor (the receiver writes
-each straight into the destination array with ``recv_into`` while the next is on the
-wire); nothing on the data path is ever pickled. Control messages (the authentication
+each straight into the destination array with ``recv_into``, or reduces straight out of
+the received frame, while the next is on the wire); nothing on the data path is ever
+pickled. A tensor of at most :data:`INLINE_MAX` bytes travels as one INLINE message
+instead: a single frame holding the header immediately followed by the tensor's bytes
+(one send and one receive call fewer per message on the latency-bound path). Control messages (the authentication
 handshake, the rendezvous table, abort and goodbye notices) carry small fixed binary
 bodies or JSON.
 
@@ -13,7 +16,7 @@ Header fields, in order::
 
     magic      4s  b"CZMQ"
     version    B   PROTOCOL_VERSION
-    kind       B   Kind (DATA, HELLO, CHALLENGE, PROOF, TABLE, ABORT, BYE, REFUSED)
+    kind       B   Kind (DATA, HELLO, CHALLENGE, PROOF, TABLE, ABORT, BYE, REFUSED, INLINE)
     op         B   the collective (OP_CODES) this message belongs to; "send" for p2p
     dtype      B   DTYPE_CODES of the payload
     redop      B   the ReduceOp of the call (0: none)
@@ -34,7 +37,6 @@ Header fields, in order::
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import ml_dtypes
@@ -49,6 +51,9 @@ PROTOCOL_VERSION = 1
 #: enough to be reused). The receiving socket refuses larger frames (``ZMQ_MAXMSGSIZE``),
 #: which bounds what one unauthenticated frame can make libzmq allocate.
 FRAME_MAX = 4 << 20
+#: Tensors of 1 to this many bytes travel as one INLINE frame (header + payload): below
+#: a few KiB a message's cost is per call, not per byte, so the extra copy is free.
+INLINE_MAX = 8 << 10
 #: ``seq`` of point-to-point messages, and ``sig_count`` when a call has no common size.
 NO_SEQ = (1 << 64) - 1
 ANY_COUNT = (1 << 64) - 1
@@ -57,6 +62,7 @@ MAX_DIMS = 6
 HEADER = struct.Struct("<4sBBBBBBHIIQQQQQQQq6Q")
 assert HEADER.size == 132
 _OFFSET_AT = struct.calcsize("<4sBBBBBBHIIQQQQQ")
+_KIND_AT = struct.calcsize("<4sB")  # magic, version: then kind
 
 
 class Kind:
@@ -68,7 +74,10 @@ class Kind:
     ABORT = 6
     BYE = 7
     REFUSED = 8
+    INLINE = 9
 
+
+_INLINE_KIND = bytes([Kind.INLINE])
 
 OPS = ("none", "send", "broadcast", "all_reduce", "reduce", "all_gather", "gather", "scatter",
        "reduce_scatter", "all_to_all", "barrier")
@@ -130,9 +139,9 @@ class Header(NamedTuple):
         return OPS[self.op] if self.op < len(OPS) else f"op#{self.op}"
 
 
-@dataclass(frozen=True)
-class Meta:
-    """What a call stamps on each of its messages (and what a receiver expects)."""
+class Meta(NamedTuple):
+    """What a call stamps on each of its messages (and what a receiver expects). A named
+    tuple: one is made per call, and this is the cheapest immutable record."""
 
     op: int
     seq: int
@@ -163,13 +172,24 @@ def with_offset(header: bytes, offset: int) -> bytes:
 
 def parse(frame: bytes) -> Optional[Header]:
     """The header in ``frame``, or None when it is not one of ours (wrong size, magic or
-    version): such a message is dropped."""
-    if len(frame) != HEADER.size:
+    version, or an INLINE frame whose length is not header + ``nbytes``): such a message
+    is dropped."""
+    size = len(frame)
+    if size < HEADER.size:
         return None
-    h = Header._make(HEADER.unpack(frame))
+    h = Header._make(HEADER.unpack_from(frame))
     if h.magic != MAGIC or h.version != PROTOCOL_VERSION:
         return None
+    if size != HEADER.size and not (h.kind == Kind.INLINE and h.offset == 0 and
+                                    0 < h.nbytes <= INLINE_MAX and size == HEADER.size + h.nbytes):
+        return None
     return h
+
+
+def pack_inline(header: bytes, payload: memoryview) -> bytes:
+    """One INLINE frame: ``header`` (of a DATA message, re-stamped INLINE) then the
+    tensor's ``payload`` bytes (at most :data:`INLINE_MAX`)."""
+    return b"".join((header[:_KIND_AT], _INLINE_KIND, header[_KIND_AT + 1:], payload))
 
 
 def part_size(nbytes: int, offset: int) -> int:

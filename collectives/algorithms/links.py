@@ -44,16 +44,18 @@ class Links:
         self._group = group
         self._base = COLLECTIVE_TAG_BIT | ((seq & 0xFFFFFF) << 12)
 
-    def _tag(self, step: int) -> int:
+    def tag(self, step: int) -> int:
+        """The transport tag of ``step`` of this collective (for a backend that posts a
+        message of the algorithm through its own, faster path)."""
         if not 0 <= step < MAX_STEPS:
             raise ValueError(f"algorithm step {step} out of range 0..{MAX_STEPS - 1}")
         return self._base | step
 
     def isend(self, array: np.ndarray, dst: int, step: int = 0) -> Work:
-        return self._group._isend(array, dst, self._tag(step))
+        return self._group._isend(array, dst, self.tag(step))
 
     def irecv(self, array: np.ndarray, src: int, step: int = 0) -> Work:
-        return self._group._irecv(array, src, self._tag(step))
+        return self._group._irecv(array, src, self.tag(step))
 
     def send(self, array: np.ndarray, dst: int, step: int = 0) -> None:
         self.isend(array, dst, step).wait()
