@@ -46,7 +46,7 @@ _close_problems: list[str] = []
 
 # Failing collectives write flight records (collectives.flight); the tests fail many on
 # purpose. Keep them in one folder of this session (inherited by every worker) instead of
-# the user's <tmp>/collectives-flight, and remove it at the end.
+# the user's <tmp>/collectives-flight, and remove it at the end unless a test failed.
 _FLIGHT_DIR = os.environ.setdefault("COLLECTIVES_FLIGHT_DIR",
                                     tempfile.mkdtemp(prefix="collectives-test-flight-"))
 
@@ -168,7 +168,7 @@ def _shm_entries() -> set[str]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def nothing_left_behind() -> Any:
+def nothing_left_behind(request: pytest.FixtureRequest) -> Any:
     """After the session: no ``collectives-*`` segment in /dev/shm that was not there
     before, no worker process alive, every pool closed cleanly."""
     before = _shm_entries()
@@ -191,7 +191,10 @@ def nothing_left_behind() -> Any:
     if running:
         problems.append(f"pools never closed: {running}")
     if _FLIGHT_DIR.startswith(os.path.join(tempfile.gettempdir(), "collectives-test-flight-")):
-        shutil.rmtree(_FLIGHT_DIR, ignore_errors=True)
+        if request.session.testsfailed:  # keep the evidence: python -m collectives.doctor
+            print(f"\nflight records of this session's failures: {_FLIGHT_DIR}")
+        else:
+            shutil.rmtree(_FLIGHT_DIR, ignore_errors=True)
     if problems:
         pytest.fail("the test session left things behind:\n" + "\n".join(problems),
                     pytrace=False)

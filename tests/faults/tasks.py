@@ -1,0 +1,162 @@
+"""What the ranks of a :class:`~faults.world.FaultWorld` run: ``task(group, *args)``.
+
+Each task catches the error it provokes and returns a summary (type, message, the
+error's fields, seconds until it came), so that the test measures the backend, not the
+launcher's own failure handling.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from collectives import CollectiveError
+from collectives.group import ProcessGroup
+
+#: Every collective a rank can be killed in. ``gather``/``scatter``/``broadcast``/
+#: ``reduce`` use root 0.
+COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter",
+               "reduce_scatter", "all_to_all", "barrier")
+#: Elements (float32) per rank in the collectives a rank is killed in: large enough
+#: that one call takes milliseconds, so the kill lands inside one.
+ELEMENTS = 1 << 20
+
+
+def _listening_inodes() -> dict[str, int]:
+    """socket inode -> port of the TCP sockets on this host that listen."""
+    out = {}
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(name) as f:
+                for line in f.readlines()[1:]:
+                    fields = line.split()
+                    if fields[3] == "0A":  # LISTEN
+                        out[fields[9]] = int(fields[1].rsplit(":", 1)[1], 16)
+        except OSError:
+            pass
+    return out
+
+
+def listening_ports(group: ProcessGroup) -> list[int]:
+    """The TCP ports this rank's process listens on (its own sockets only)."""
+    listening = _listening_inodes()
+    ports = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            port = listening.get(target[8:-1])
+            if port is not None:
+                ports.append(port)
+    return sorted(set(ports))
+
+
+def _call(group: ProcessGroup, op: str) -> Callable[[], None]:
+    """A closure running collective ``op`` on buffers made once (root 0)."""
+    n = group.size
+    a = np.ones(ELEMENTS, np.float32)
+    big = np.ones(ELEMENTS * n, np.float32)
+    root = group.rank == 0
+    calls: dict[str, Callable[[], Any]] = {
+        "all_reduce": lambda: group.all_reduce(a),
+        "broadcast": lambda: group.broadcast(a, src=0),
+        "reduce": lambda: group.reduce(a, dst=0),
+        "all_gather": lambda: group.all_gather(big, a),
+        "gather": lambda: group.gather(a, big if root else None, dst=0),
+        "scatter": lambda: group.scatter(a, big if root else None, src=0),
+        "reduce_scatter": lambda: group.reduce_scatter(a, big),
+        "all_to_all": lambda: group.all_to_all(big, big.copy()),
+        "barrier": lambda: group.barrier(),
+    }
+    return calls[op]
+
+
+def summary(exc: BaseException, t0: float) -> dict:
+    """What the test needs to know of an error raised ``time.time() - t0`` s after t0."""
+    return {"type": type(exc).__name__, "message": str(exc),
+            "peer": getattr(exc, "peer", None), "op": getattr(exc, "op", None),
+            "seq": getattr(exc, "seq", None),
+            "missing": list(getattr(exc, "missing", ()) or ()),
+            "after_s": time.time() - t0}
+
+
+def kill_in_collective(group: ProcessGroup, op: str, victim: int, limit: float,
+                       delay: float = 0.05) -> dict:
+    """Every rank runs ``op`` in a loop; ``victim`` SIGKILLs itself ``delay`` s after
+    the start (inside a call). A survivor returns how it learned of it: the error's
+    summary, with ``after_s`` counted from the kill; or ``{"type": None}`` if the loop
+    ran ``limit`` seconds without an error."""
+    run = _call(group, op)
+    run()  # connections and buffers warm: the kill hits a collective, not set-up
+    group.barrier()
+    t0 = time.time()
+    if group.rank == victim:
+        threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    calls = 0
+    try:
+        while time.time() - t0 < limit:
+            run()
+            calls += 1
+    except CollectiveError as exc:
+        out = summary(exc, t0 + delay)
+        out["calls"] = calls
+        return out
+    return {"type": None, "calls": calls}
+
+
+def sleep_in_collective(group: ProcessGroup, op: str, sleeper: int, sleep: float) -> dict:
+    """Every rank but ``sleeper`` calls ``op`` (after one warm-up call); ``sleeper``
+    sleeps ``sleep`` s in user code and never makes the call. Returns the error's
+    summary with ``after_s`` counted from the call, or ``{"type": None}``; also the
+    ``seq`` the call had."""
+    run = _call(group, op)
+    run()
+    group.barrier()
+    expected_seq = group._seq  # the next collective's sequence number on this group
+    if group.rank == sleeper:
+        time.sleep(sleep)
+        return {"type": None, "slept": sleep}
+    t0 = time.time()
+    try:
+        run()
+        out: dict = {"type": None}
+    except CollectiveError as exc:
+        out = summary(exc, t0)
+    out["expected_seq"] = expected_seq
+    return out
+
+
+def mismatch(group: ProcessGroup, kind: str, odd: int) -> dict:
+    """Rank ``odd`` makes a call that differs from the others' by ``kind`` ("op":
+    broadcast instead of all_reduce, "shape", "dtype", "root"); every rank reports the
+    error it got (a summary) or ``{"type": None}``. Runs on a fresh sub-group over every
+    rank, so one world serves several kinds."""
+    g = group.new_group(list(range(group.size)))
+    me = group.rank == odd
+    t0 = time.time()
+    try:
+        if kind == "op":
+            if me:
+                g.broadcast(np.ones(16, np.float32), src=0)
+            else:
+                g.all_reduce(np.ones(16, np.float32))
+        elif kind == "shape":
+            g.all_reduce(np.ones(24 if me else 16, np.float32))
+        elif kind == "dtype":
+            g.all_reduce(np.ones(16, np.int32 if me else np.float32))
+        elif kind == "root":
+            g.broadcast(np.ones(16, np.float32), src=1 if me else 0)
+        else:
+            raise ValueError(f"mismatch: unknown kind {kind!r}")
+        g.barrier()  # a rank that returned early learns of the mismatch here
+        out: dict = {"type": None}
+    except CollectiveError as exc:
+        out = summary(exc, t0)
+    return out
