@@ -435,15 +435,20 @@ def _job_death_reaches_everyone(path: str):
     a broadcast for rank 0 only (a survivor that never sends)."""
     pg = collectives.init_process_group()
     pids = pg.all_gather_object(os.getpid())
+    pg.barrier()  # (rank 0 leaving it means every rank finished the all_gather above)
     if pg.rank == 2:
         time.sleep(60)  # stopped, then killed by rank 0
         return
     if pg.rank == 1:
+        # spawn stops the survivors (SIGTERM, then SIGKILL 2 s later) as soon as it sees
+        # rank 2 die: ignore the SIGTERM so that this rank reports what it saw.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         t0 = time.monotonic()
         _write(path, 1, {"broadcast": _outcome(
             lambda: pg.broadcast(np.ones(4, np.float32), src=0), t0)})
         pg.close()
         return
+    time.sleep(0.2)  # rank 1 leaves the barrier and waits in its broadcast
     os.kill(pids[2], signal.SIGSTOP)
     work = pg.isend(np.ones(16 << 20, np.float32), dst=2)  # 64 MiB: more than buffers hold
     time.sleep(0.5)
