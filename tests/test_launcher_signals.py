@@ -74,6 +74,13 @@ def _segments(job: str = "") -> set:
     return {n for n in os.listdir(SHM_DIR) if n.startswith(stems)}
 
 
+def _default_sigint() -> None:
+    """In the job, before exec: Ctrl-C as a terminal delivers it. A test run started in
+    the background of a non-interactive shell (as CI may be) inherits SIGINT ignored, and
+    Python then never turns it into KeyboardInterrupt: the job would rightly ignore it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Job:
     """A job started in a session of its own, its output in files under ``tmp``."""
 
@@ -82,7 +89,7 @@ class Job:
         self.stdout, self.stderr = open(tmp / "stdout", "w+"), open(tmp / "stderr", "w+")
         self.proc = subprocess.Popen(command, cwd=ROOT, env=_env(), stdin=subprocess.DEVNULL,
                                      stdout=self.stdout, stderr=self.stderr,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_default_sigint)
         self.ranks: list[int] = []
 
     def output(self) -> tuple[str, str]:
