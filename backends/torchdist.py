@@ -861,6 +861,12 @@ def _nccl_usable() -> bool:
 #: store is released, so that a later world there never meets stale keys).
 _STORES: dict[tuple, "_Meeting"] = {}
 _WORLD_COUNTS: dict[tuple, int] = {}
+#: Whether rank 0 stops its store's server once its last group at that port closed (see
+#: _Meeting). Off: with it on, a cycle of worlds on one port failed 1 run in 5 (a rank
+#: waited 60 s at world k for a key its peer wrote elsewhere: a race in the lease
+#: protocol, not yet found). Off, rank 0 keeps one server per port it ever served (the
+#: behaviour before the lease) while the other ranks still release theirs.
+_STOP_IDLE_SERVERS = False
 _STORES_LOCK = threading.RLock()
 
 #: Keys of the lease protocol (see `_Meeting`), on the store served by rank 0.
@@ -919,7 +925,7 @@ class _Meeting:
                     except RuntimeError:  # the server is gone already
                         pass
                 self._forget()
-            elif self._stop_server(_LINGER_S if linger else 0.0):
+            elif _STOP_IDLE_SERVERS and self._stop_server(_LINGER_S if linger else 0.0):
                 self._forget()
             # else: kept with no user; reused by the next world here, or stopped by
             # _release_idle_stores once the other ranks gave it back
@@ -970,7 +976,8 @@ def _release_idle_stores() -> None:
     while other ranks still held the store (no waiting)."""
     with _STORES_LOCK:
         for meeting in list(_STORES.values()):
-            if meeting.users == 0 and meeting.serving and meeting._stop_server(0.0):
+            if meeting.users == 0 and meeting.serving and _STOP_IDLE_SERVERS and \
+                    meeting._stop_server(0.0):
                 meeting._forget()
 
 

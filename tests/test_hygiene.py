@@ -257,6 +257,9 @@ def test_subgroup_create_use_close_cycles_leak_nothing(pool: WorldPool) -> None:
     _check(pool, "subgroup")
 
 
+@pytest.mark.xfail(strict=True, reason="backends/torchdist.py _STOP_IDLE_SERVERS is off: "
+                   "rank 0 keeps a store server per port it served (stopping it raced "
+                   "with the next world on the same port)")
 @pytest.mark.parametrize("world_size", [WORLD_SIZE], ids=[f"n{WORLD_SIZE}"])
 @pytest.mark.parametrize("backend", _backends(("gloo",)))
 def test_gloo_store_of_a_closed_world_is_released(pool: WorldPool) -> None:
