@@ -901,40 +901,32 @@ class Engine(Connector):
                     self._token = False
                     cond.notify_all()
 
+    def _drain_if_free(self, also: Optional[Callable[[], bool]] = None) -> None:
+        """Read what the sockets hold, unless another thread holds the progress token
+        (or ``also()``, checked under the lock, says there is no reason to)."""
+        with self._cond:
+            mine = not self._token and not self._closed and (also is None or also())
+            if mine:
+                self._token = True
+        if mine:
+            try:
+                self._drain()
+            finally:
+                with self._cond:
+                    self._token = False
+                    self._cond.notify_all()
+
     def test_recv(self, req: _Recv) -> bool:
         if not (req.done or req.error is not None):
-            with self._cond:
-                mine = not self._token and not self._closed
-                if mine:
-                    self._token = True
-            if mine:
-                try:
-                    self._drain()
-                finally:
-                    with self._cond:
-                        self._token = False
-                        self._cond.notify_all()
+            self._drain_if_free()
         return req.done or req.error is not None
 
     def wait_send(self, tracker: Any, call: Call, dst: int, timeout: Optional[float]) -> None:
         deadline = self._deadline(call, timeout)
         while not tracker.done:
-            with self._cond:
-                # Nobody else may be reading the sockets: learn of a death here too, or a
-                # send to a dead rank would wait for the whole timeout.
-                if not self._token and not self._closed and (self._lost or
-                                                             self._monitor_pending()):
-                    self._token = True
-                    mine = True
-                else:
-                    mine = False
-            if mine:
-                try:
-                    self._drain()
-                finally:
-                    with self._cond:
-                        self._token = False
-                        self._cond.notify_all()
+            # Nobody else may be reading the sockets: learn of a death here too, or a
+            # send to a dead rank would wait for the whole timeout.
+            self._drain_if_free(lambda: self._lost or self._monitor_pending())
             if self._down:
                 with self._lock:
                     if call.collective and self._dead:
