@@ -138,7 +138,7 @@ def spawn(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
     procs: list[multiprocessing.process.BaseProcess] = []
     conns: list[multiprocessing.connection.Connection] = []
     job = _Job(procs, conns, job_id)
-    with _signals_raise_in_main_thread():
+    with sigterm_raises():
         try:
             for rank in range(nproc):
                 reader, writer = ctx.Pipe(duplex=False)
@@ -303,9 +303,11 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-class _signals_raise_in_main_thread:
-    """While ranks run, turn SIGTERM into an exception in the parent (like Ctrl-C), so the
-    ``finally`` that stops the ranks runs."""
+class sigterm_raises:
+    """While ranks run, turn SIGTERM into SystemExit in the parent's main thread (as Ctrl-C
+    raises KeyboardInterrupt), so the ``finally`` that stops the ranks runs. Left alone
+    where SIGTERM already has a handler. Also used by the bench while it waits for
+    mpiexec."""
 
     def __enter__(self) -> None:
         self._previous = None

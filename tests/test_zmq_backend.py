@@ -30,6 +30,7 @@ from collectives import CollectiveMismatch, CollectiveTimeout, ReduceOp
 from collectives.launch import Rendezvous
 from collectives.reduce_op import reduce_arrays
 from collectives.spawn import SpawnError, free_port
+from faults.tasks import listening_inodes
 
 zmq = pytest.importorskip("zmq")
 
@@ -528,17 +529,7 @@ def _socket_fds() -> int:
 
 
 def _listening_ports() -> set:
-    ports = set()
-    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(name) as f:
-                for line in f.readlines()[1:]:
-                    fields = line.split()
-                    if fields[3] == "0A":  # LISTEN
-                        ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-        except OSError:
-            pass
-    return ports
+    return set(listening_inodes().values())
 
 
 def _job_close():

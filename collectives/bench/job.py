@@ -16,7 +16,6 @@ rank, as ``collectives.spawn`` does.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -25,15 +24,14 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 from ..mpiexec import MpiexecUnavailable, find_mpiexec, own_session_dying_with_parent
-from ..spawn import SpawnError, free_port, spawn
+from ..spawn import SpawnError, free_port, sigterm_raises, spawn
 from .measure import GroupRunner, MemcpyRunner, Runner, measure_many
 
 #: Implementations whose ranks must be started by ``mpiexec``.
@@ -143,7 +141,7 @@ def run_mpiexec(spec: JobSpec, nproc: int, job_timeout: float) -> tuple[list[dic
                                     preexec_fn=own_session_dying_with_parent)
             code: Optional[int]
             try:
-                with _sigterm_raises():
+                with sigterm_raises():
                     code = proc.wait(job_timeout)
             except subprocess.TimeoutExpired:
                 _stop(proc)
@@ -167,26 +165,6 @@ def run_mpiexec(spec: JobSpec, nproc: int, job_timeout: float) -> tuple[list[dic
                              rank=0, exitcode=code)
         result = json.loads(Path(spec.out).read_text())
         return result["rows"], result["skipped"]
-
-
-@contextlib.contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """While waiting for mpiexec in the main thread, SIGTERM raises SystemExit (as Ctrl-C
-    raises KeyboardInterrupt), so that the job is stopped and cleaned up."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
-        yield
-        return
-
-    def _exit(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, _exit)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
 
 
 def _stop(proc: subprocess.Popen) -> None:

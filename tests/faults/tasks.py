@@ -27,7 +27,7 @@ COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "gather", "sca
 ELEMENTS = 1 << 20
 
 
-def _listening_inodes() -> dict[str, int]:
+def listening_inodes() -> dict[str, int]:
     """socket inode -> port of the TCP sockets on this host that listen."""
     out = {}
     for name in ("/proc/net/tcp", "/proc/net/tcp6"):
@@ -44,7 +44,7 @@ def _listening_inodes() -> dict[str, int]:
 
 def listening_ports(group: ProcessGroup) -> list[int]:
     """The TCP ports this rank's process listens on (its own sockets only)."""
-    listening = _listening_inodes()
+    listening = listening_inodes()
     ports = []
     for fd in os.listdir("/proc/self/fd"):
         try:
