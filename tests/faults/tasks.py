@@ -27,19 +27,25 @@ COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "gather", "sca
 ELEMENTS = 1 << 20
 
 
-def listening_inodes() -> dict[str, int]:
-    """socket inode -> port of the TCP sockets on this host that listen."""
+def tcp_inodes(state: str) -> dict[str, int]:
+    """socket inode -> local port of the TCP sockets on this host in ``state`` (the
+    kernel's hex code: ``"0A"`` listening, ``"01"`` established)."""
     out = {}
     for name in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(name) as f:
                 for line in f.readlines()[1:]:
                     fields = line.split()
-                    if fields[3] == "0A":  # LISTEN
+                    if fields[3] == state:
                         out[fields[9]] = int(fields[1].rsplit(":", 1)[1], 16)
         except OSError:
             pass
     return out
+
+
+def listening_inodes() -> dict[str, int]:
+    """socket inode -> port of the TCP sockets on this host that listen."""
+    return tcp_inodes("0A")
 
 
 def listening_ports(group: ProcessGroup) -> list[int]:
