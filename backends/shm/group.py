@@ -20,7 +20,7 @@ import hashlib
 import os
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -168,13 +168,28 @@ class ShmGroup(ReduceOps, CollectiveOps, ProcessGroup):
     # ------------------------------------------------------------------ waits
     def _check_peer(self, r: int, what: str, seq: int, *, fatal_states=(sg.STATE_FAILED,
                                                                            sg.STATE_CLOSED),
-                    check_pid: bool) -> None:
+                    check_pid: bool, done: Optional[Callable[[], bool]] = None) -> None:
+        """Raise PeerError if rank ``r`` closed, failed or died, unless ``done()`` says
+        that what this rank waits for from ``r`` arrived after all.
+
+        ``done`` is asked *after* the state (and the pid) was read, and that order is
+        what makes it right: a peer publishes its arrival (or its message) before it
+        closes or exits, so a state read as CLOSED guarantees that a later read sees the
+        arrival if there was one (x86-64: stores become visible in order, loads are not
+        reordered). The caller's own check came before, so between its "not arrived"
+        and our "closed" the peer may have arrived, finished and closed: on two cores
+        and four ranks a rank is preempted there now and then (a 4-rank soak failed
+        with "rank 0 closed the group" every ~100 s until ``done`` was asked here)."""
         state = self._u64[self._state_idx[r]] if self._u64 is not None else sg.STATE_CLOSED
         if state in fatal_states:
+            if done is not None and self._u64 is not None and done():
+                return
             how = "closed the group" if state == sg.STATE_CLOSED else \
                 "failed in a collective (see its own error)"
             raise PeerError(f"{self._where_seq(what, seq)}: rank {r} {how}", peer=r)
         if check_pid and self._pid_checkable[r] and not sg.pid_alive(self._pids[r]):
+            if done is not None and self._u64 is not None and done():
+                return
             raise PeerError(f"{self._where_seq(what, seq)}: rank {r} (pid {self._pids[r]}) "
                             f"died", peer=r)
 
@@ -237,8 +252,10 @@ class ShmGroup(ReduceOps, CollectiveOps, ProcessGroup):
                 if check_pid:
                     stage[1] = now
                 for r in missing:
-                    if u64[idx[r]] < q:
-                        self._check_peer(r, self._op_name, self._op_seq, check_pid=check_pid)
+                    i = idx[r]
+                    if u64[i] < q:
+                        self._check_peer(r, self._op_name, self._op_seq, check_pid=check_pid,
+                                         done=lambda i=i: u64[i] >= q)
                 if time.monotonic() >= deadline:
                     missing = [r for r in self._all if u64[idx[r]] < q]
                     if missing:
@@ -278,7 +295,8 @@ class ShmGroup(ReduceOps, CollectiveOps, ProcessGroup):
                 if check_pid:
                     stage[1] = now
                 self._check_peer(peer, what, -1, fatal_states=(sg.STATE_CLOSED,),
-                                 check_pid=check_pid)
+                                 check_pid=check_pid,
+                                 done=lambda: self._progress_once(op))
                 if time.monotonic() >= deadline:
                     raise CollectiveTimeout(
                         f"{self._where(what)}: timed out after {limit:g} s; rank {peer} "
@@ -287,6 +305,15 @@ class ShmGroup(ReduceOps, CollectiveOps, ProcessGroup):
             self._backoff(stage, deadline, bell)
         if op.error is not None:
             raise op.error
+
+    def _progress_once(self, op) -> bool:
+        """Move this rank's messages once (draining what arrived); whether ``op`` is done.
+        For a peer found closed or dead: what it sent before is still in the rings."""
+        engine = self._engine
+        with engine.lock:
+            if not op.done and not engine.closed:
+                engine.progress_locked(drain=True)
+        return op.done
 
     # --------------------------------------------------------- point to point
     def _isend(self, array: np.ndarray, dst: int, tag: int) -> Work:
