@@ -14,8 +14,8 @@ picks a free port); under torchrun, whose agent already serves that port
 client. Keys live under ``collectives/<restart>/world<k>/``, ``k`` counting the worlds this
 process opened on that store, and a sub-group's under its parent's prefix plus its members
 and instance number. A store is released when the last group on it closes (``_Meeting``:
-a lease on the store keeps rank 0 from stopping a server that another rank still uses,
-or has already joined again for the next world at the same port). A gloo group is
+rank 0 stops its server once the other ranks reported their close, and a rank joining
+the next world at the same port makes sure it reached the server of that world). A gloo group is
 returned only after a barrier over it, so that no rank can close it (or exit) while a
 peer is still finishing its handshake.
 
@@ -69,7 +69,6 @@ import ctypes
 import datetime
 import os
 import re
-import secrets
 import socket
 import threading
 import time
@@ -357,9 +356,8 @@ class TorchGroup(ProcessGroup):
             group = cls(rank, size, timeout=timeout, c10d=c10d, store=meeting, prefix=prefix,
                         **extra)
         except BaseException:
-            meeting.release(linger=False)
+            meeting.release(broken=True)
             raise
-        _release_idle_stores()  # every rank is past its previous world: see _Meeting
         return group
 
     def _new_group(self, ranks: tuple[int, ...], instance: int) -> "TorchGroup":
@@ -378,7 +376,7 @@ class TorchGroup(ProcessGroup):
             return type(self)(rank, size, timeout=self.timeout, c10d=c10d, store=meeting,
                               prefix=prefix, **extra)
         except BaseException:
-            meeting.release(linger=False)
+            meeting.release(broken=True)
             raise
 
     def _sub_group_extra(self) -> dict:
@@ -861,20 +859,16 @@ def _nccl_usable() -> bool:
 #: store is released, so that a later world there never meets stale keys).
 _STORES: dict[tuple, "_Meeting"] = {}
 _WORLD_COUNTS: dict[tuple, int] = {}
-#: Whether rank 0 stops its store's server once its last group at that port closed (see
-#: _Meeting). Off: with it on, a cycle of worlds on one port failed 1 run in 5 (a rank
-#: waited 60 s at world k for a key its peer wrote elsewhere: a race in the lease
-#: protocol, not yet found). Off, rank 0 keeps one server per port it ever served (the
-#: behaviour before the lease) while the other ranks still release theirs.
-_STOP_IDLE_SERVERS = False
 _STORES_LOCK = threading.RLock()
 
-#: Keys of the lease protocol (see `_Meeting`), on the store served by rank 0.
-_LEASE_KEY = "collectives/lease/state"
-_JOINED_KEY = "collectives/lease/joined"
-#: How long the serving rank waits, at its last close, for the other ranks to give the
-#: store back before it keeps the store for a later try (see `_release_idle_stores`).
-_LINGER_S = 2.0
+#: Keys of the open/close handshake of rank 0's server (see `_Meeting`), per world index.
+_OPEN_KEY = "collectives/meeting/open/"
+_CLOSED_KEY = "collectives/meeting/closed/"
+_RELEASED_KEY = "collectives/meeting/released/"
+#: How long rank 0, at its last close, waits for the other ranks' reports that they
+#: closed theirs, before it stops its server anyway (a late rank's report is lost: it
+#: no longer needs the store, which only set up the groups).
+_CLOSE_WAIT_S = 5.0
 
 
 class _Meeting:
@@ -883,102 +877,67 @@ class _Meeting:
     so a process that meets at many ports keeps no socket or thread for the closed ones.
 
     Where rank 0 serves the store (not under torchrun, whose agent serves it for the
-    whole job), it must not stop its server while another rank still uses it, nor after
-    another rank has already connected to it again for the next world at the same port
-    (that rank's world would break). A lease on the store itself ensures both: its value
-    is the number of clients holding the store (with a nonce, so that a compare-and-set
-    that lost a race is told from one that won), or ``closed``. A client counts itself
-    in when it connects and out when it releases, both by compare-and-set; one that
-    finds ``closed`` reconnects, and so reaches the server rank 0 starts for the next
-    world. Rank 0, at its last close, turns a count of 0 into ``closed`` and stops the
-    server; with clients still counted it keeps the store for its next world if one of
-    them joined for that world already (``joined<k>``), else waits up to ``_LINGER_S``
-    for them to release theirs.
+    whole job), two rules keep its server from going away under a rank that needs it:
+
+    - at its last close rank 0 waits (up to ``_CLOSE_WAIT_S``) until every other rank
+      reported on the store that it closed its groups of world k (``closed/k``), then
+      writes ``released/k`` and lets the server go; the other ranks disconnect once they
+      see ``released/k`` (so a close is collective, as a group's close is anyway);
+    - a rank that connects for world k waits until rank 0 wrote ``open/k`` on the server
+      it reached. A fast rank may still reach the server of world k-1 in the moment
+      between ``released/k-1`` and its stop (at the same port); its wait then breaks
+      with the connection (torch prints a warning), and it connects again, to the server
+      rank 0 starts for world k. Rank 0 writes ``open/k`` only on the server it opened
+      world k with, so no rank settles on a dying server.
+
+    Each world's keys live under a prefix of their own, so a server that outlived a close
+    (torch's multi-tenant sharing, or a broken world kept alive) is reused safely.
     """
 
-    def __init__(self, key: tuple, store: Any, *, serving: bool, leased: bool) -> None:
+    def __init__(self, key: tuple, store: Any, *, serving: bool, handshake: bool) -> None:
         self.key, self.store = key, store
-        self.serving = serving  # rank 0 serves it (and runs the protocol's server side)
-        self.leased = leased    # a client holding a lease on rank 0's server
-        self.users = 0          # groups of this process using it
+        self.serving = serving      # rank 0 serves it
+        self.handshake = handshake  # rank 0's server: the open/close reports apply
+        self.users = 0              # groups of this process using it
+        self.world = -1             # index of the last world opened on it
+        self.world_size = 1
 
     def acquire(self) -> None:
         with _STORES_LOCK:
             self.users += 1
 
-    def release(self, *, linger: bool = True, broken: bool = False) -> None:
-        """One group on the store is gone; at the last one, release the store as the
-        protocol allows (``linger=False``: without waiting for the other ranks;
-        ``broken``: a member died, so without a word to the store: dead ranks never
-        give theirs back, and the server may be gone)."""
+    def release(self, *, broken: bool = False) -> None:
+        """One group on the store is gone; at the last one, release the store: a client
+        of rank 0's server reports its close, rank 0 waits for those reports (not when
+        ``broken``: a member died, and dead ranks report nothing)."""
         with _STORES_LOCK:
             self.users -= 1
             if self.users > 0:
                 return
-            if broken or not self.serving:
-                if self.leased and not broken:
-                    try:
-                        while True:
-                            raw, holders = _lease(self.store)
-                            if not holders or _set_lease(self.store, raw, holders - 1):
-                                break
-                    except RuntimeError:  # the server is gone already
-                        pass
-                self._forget()
-            elif _STOP_IDLE_SERVERS and self._stop_server(_LINGER_S if linger else 0.0):
-                self._forget()
-            # else: kept with no user; reused by the next world here, or stopped by
-            # _release_idle_stores once the other ranks gave it back
-
-    def _stop_server(self, linger_s: float) -> bool:
-        """Whether rank 0's server may go now: no client holds it, and the lease now says
-        ``closed`` to those that connect later. Polls up to ``linger_s`` seconds (the
-        global lock is held meanwhile: a world opening in another thread waits)."""
-        deadline = time.monotonic() + linger_s
-        nxt = f"{_JOINED_KEY}{_WORLD_COUNTS.get(self.key, 0)}"
+            store, closed = self.store, f"{_CLOSED_KEY}{self.world}"
+            self._forget()
+        if not self.handshake or broken or store is None:
+            return
+        released = f"{_RELEASED_KEY}{self.world}"
         try:
-            while True:
-                raw, holders = _lease(self.store)
-                if holders is None:
-                    return True
-                if holders == 0:
-                    if _set_lease(self.store, raw, None):
-                        return True
-                    continue  # a client joined meanwhile
-                if self.store.check([nxt]) or time.monotonic() >= deadline:
-                    return False  # wanted for the next world, or not given back yet
-                time.sleep(0.005)
-        except RuntimeError:  # the store broke: nothing to protect any more
-            return True
+            if not self.serving:
+                store.add(closed, 1)
+                # Disconnect only once rank 0 lets its server go: a rank that connected
+                # for its next world at once would reach the old server (see the class).
+                store.wait([released], datetime.timedelta(seconds=_CLOSE_WAIT_S + 1.0))
+                return
+            deadline = time.monotonic() + _CLOSE_WAIT_S
+            while store.add(closed, 0) < self.world_size - 1 \
+                    and time.monotonic() < deadline:
+                time.sleep(0.002)
+            store.set(released, "1")
+        except RuntimeError:  # the server is gone already, or a report could not land
+            pass
 
     def _forget(self) -> None:
         if _STORES.get(self.key) is self:
             del _STORES[self.key]
         self.store = None  # the server (or client) goes with the last reference
-
-
-def _lease(store: Any) -> tuple[bytes, Optional[int]]:
-    """The lease of rank 0's server (see `_Meeting`): (its raw value, the number of
-    clients holding the store, or None once ``closed``). Created at 0 if missing."""
-    raw = store.compare_set(_LEASE_KEY, "", "0 -")
-    return raw, None if raw == b"closed" else int(raw.split()[0])
-
-
-def _set_lease(store: Any, raw: bytes, holders: Optional[int]) -> bool:
-    """Compare-and-set the lease from ``raw`` to ``holders`` (None: ``closed``); whether
-    this call set it (the nonce tells it from a racing client that set the same count)."""
-    new = b"closed" if holders is None else f"{holders} {secrets.token_hex(6)}".encode()
-    return store.compare_set(_LEASE_KEY, raw, new) == new
-
-
-def _release_idle_stores() -> None:
-    """Try again to stop rank 0's servers of meeting points whose groups all closed
-    while other ranks still held the store (no waiting)."""
-    with _STORES_LOCK:
-        for meeting in list(_STORES.values()):
-            if meeting.users == 0 and meeting.serving and _STOP_IDLE_SERVERS and \
-                    meeting._stop_server(0.0):
-                meeting._forget()
 
 
 def _world_store(rendezvous: Rendezvous, timeout: float) -> tuple[_Meeting, str]:
@@ -997,25 +956,22 @@ def _world_store(rendezvous: Rendezvous, timeout: float) -> tuple[_Meeting, str]
         count = _WORLD_COUNTS.get(key, 0)
         meeting = _STORES.get(key)
         if meeting is None:
-            meeting = _STORES[key] = _open_store(key, rendezvous, timeout)
+            meeting = _STORES[key] = _open_store(key, rendezvous, timeout, count)
+        elif meeting.serving and meeting.handshake:
+            _construct(lambda: meeting.store.set(f"{_OPEN_KEY}{count}", "1"),
+                       _where(rank, size, "init_process_group"), timeout)
         meeting.acquire()
+        meeting.world, meeting.world_size = count, size
         _WORLD_COUNTS[key] = count + 1
-        if meeting.leased:  # tells rank 0, if it is closing world count-1, to keep it
-            try:
-                _construct(lambda: meeting.store.set(f"{_JOINED_KEY}{count}", "1"),
-                           _where(rank, size, "init_process_group"), timeout)
-            except BaseException:
-                meeting.release(linger=False)
-                raise
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return meeting, f"collectives/{restart}/world{count}/"
 
 
-def _open_store(key: tuple, rendezvous: Rendezvous, timeout: float) -> _Meeting:
-    """Connect to (or serve) the store of meeting point ``key``; a client of rank 0's
-    server takes a lease on it (see `_Meeting`)."""
+def _open_store(key: tuple, rendezvous: Rendezvous, timeout: float, world: int) -> _Meeting:
+    """Connect to (or serve) the store of meeting point ``key`` for world number
+    ``world`` there (see `_Meeting` for the open/close handshake)."""
     if key[0] == "hash":
-        return _Meeting(key, dist.HashStore(), serving=False, leased=False)
+        return _Meeting(key, dist.HashStore(), serving=False, handshake=False)
     addr, port = key
     # Under torchrun the agent serves MASTER_PORT already: everyone is a client then
     # (collectives.spawn run inside a torchrun worker picks a port of its own).
@@ -1027,41 +983,33 @@ def _open_store(key: tuple, rendezvous: Rendezvous, timeout: float) -> _Meeting:
     # same port, shares the server instead of failing to bind it (as torch's own does).
     what = f"{where}: store at {addr}:{port} ({'serving' if serve else 'client'})"
 
-    def connect() -> Any:
+    def connect(seconds: float) -> Any:
         return _construct(lambda: dist.TCPStore(
             addr, port, rendezvous.world_size, is_master=serve,
-            timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False,
-            multi_tenant=serve), what, timeout)
+            timeout=datetime.timedelta(seconds=seconds), wait_for_workers=False,
+            multi_tenant=serve), what, seconds)
 
-    if agent:  # the agent's server lives as long as the job: no lease needed
-        return _Meeting(key, connect(), serving=False, leased=False)
+    if agent:  # the agent's server lives as long as the job: no handshake
+        return _Meeting(key, connect(timeout), serving=False, handshake=False)
     if serve:
-        store = connect()
-        # A server shared with torch's own (multi_tenant) outlived our last close.
-        _construct(lambda: store.compare_set(_LEASE_KEY, "closed", "0 -"), what, timeout)
-        return _Meeting(key, store, serving=True, leased=False)
-
-    def join(store: Any) -> bool:
-        while True:
-            raw, holders = _lease(store)
-            if holders is None:
-                return False
-            if _set_lease(store, raw, holders + 1):
-                return True
-
+        store = connect(timeout)
+        _construct(lambda: store.set(f"{_OPEN_KEY}{world}", "1"), what, timeout)
+        return _Meeting(key, store, serving=True, handshake=True)
     deadline = time.monotonic() + timeout
     while True:
-        store = connect()
-        if _construct(lambda: join(store), what, timeout):
-            return _Meeting(key, store, serving=False, leased=True)
-        # Rank 0 is stopping this server (its previous world closed): reach the one it
-        # starts for this world.
-        del store
-        if time.monotonic() >= deadline:
-            raise CollectiveTimeout(f"{what}: the server of the previous world at this "
-                                    f"port did not go away within {timeout:g} s",
-                                    op="init")
-        time.sleep(0.01)
+        remaining = max(0.001, deadline - time.monotonic())
+        store = connect(remaining)
+        try:
+            store.wait([f"{_OPEN_KEY}{world}"], datetime.timedelta(seconds=remaining))
+            store.set_timeout(datetime.timedelta(seconds=timeout))
+            return _Meeting(key, store, serving=False, handshake=True)
+        except RuntimeError as exc:
+            del store  # rank 0's server of the previous world stopped under us
+            if time.monotonic() >= deadline:
+                raise CollectiveTimeout(f"{what}: rank 0 did not open world {world} at this "
+                                        f"port within {timeout:g} s ({_first_line(exc)})",
+                                        op="init", missing=[0]) from exc
+            time.sleep(0.005)
 
 
 def _construct(make: Callable[[], Any], where: str, timeout: float) -> Any:

@@ -29,7 +29,7 @@ import os
 import secrets
 import threading
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -38,7 +38,6 @@ import collectives
 from collectives.shm_names import PREFIX, SHM_DIR, job_digest
 from collectives.spawn import free_port
 from collectives.testing.pool import WorldPool
-from faults.tasks import tcp_inodes
 
 #: The backends whose groups are created and destroyed (``p2p:shm`` shares shm's).
 BACKENDS = ("shm", "zmq", "gloo", "mpi")
@@ -75,26 +74,13 @@ def _shm_files() -> list[str]:
     return sorted(names)
 
 
-def _fd_targets(served_port: Optional[int] = None) -> list[str]:
+def _fd_targets() -> list[str]:
     """What each open fd points at (``socket:[inode]``, a path, ``pipe:[...]``), so that a
-    count that changed can say which fd it was; without the connections accepted by a
-    server on ``served_port``.
-
-    Those are torch's, not ours: rank 0 of gloo keeps serving a store at the port its
-    worlds meet at (backends/torchdist.py, _STOP_IDLE_SERVERS), and the server closes the
-    accepted connection of a world's last client when it gets to it: between 0 and 1 of
-    them were open after a close, whatever the wait (traced per cycle: 36 fds, sometimes
-    35, rank 1 a constant 15). A leaked client is still counted exactly, on its own rank."""
-    skip = set()
-    if served_port is not None:
-        skip = {f"socket:[{inode}]" for inode, port in tcp_inodes("01").items()
-                if port == served_port}
+    count that changed can say which fd it was."""
     targets = []
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/self/fd/{fd}")
-            if target not in skip:
-                targets.append(target)
+            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
     return sorted(targets)
 
 
@@ -114,38 +100,35 @@ def _trim_heap() -> None:
         ctypes.CDLL(None).malloc_trim(0)
 
 
-def _counts(served_port: Optional[int]) -> tuple[int, int, int]:
-    return (len(_fd_targets(served_port)), threading.active_count(),
+def _counts() -> tuple[int, int, int]:
+    return (len(os.listdir("/proc/self/fd")), threading.active_count(),
             len(os.listdir("/proc/self/task")))
 
 
-def _settled_counts(served_port: Optional[int], quiet: float = 0.3,
-                    limit: float = 5.0) -> tuple[int, int, int]:
+def _settled_counts(quiet: float = 0.3, limit: float = 5.0) -> tuple[int, int, int]:
     """Open fds, Python threads and OS threads, once they have stayed the same for
-    ``quiet`` seconds (at most ``limit``). A closed group's last sockets are let go by
-    threads that are not ours: gloo's store server (C++) closes the connection of the
-    last world's rank 1 when it notices the hang-up, a few ms after ``close()`` returns.
-    One count caught that connection before the cycles and not after (``fds: 36 -> 35``
-    in a CI run); a leak does not go away by waiting, so waiting costs no sensitivity."""
-    counts, since, deadline = _counts(served_port), time.monotonic(), time.monotonic() + limit
+    ``quiet`` seconds (at most ``limit``): a closed group's last sockets may be let go
+    by threads that are not ours (gloo's store server, a C++ thread, closes a client's
+    connection when it notices the hang-up, just after ``close()`` returned). A leak does
+    not go away by waiting, so waiting costs no sensitivity."""
+    counts, since, deadline = _counts(), time.monotonic(), time.monotonic() + limit
     while time.monotonic() - since < quiet and time.monotonic() < deadline:
         time.sleep(0.02)
-        now = _counts(served_port)
+        now = _counts()
         if now != counts:
             counts, since = now, time.monotonic()
     return counts
 
 
-def resources(served_port: Optional[int] = None) -> dict[str, Any]:
-    """What this process holds now: open fds (but the connections a server of this
-    process accepted on ``served_port``), Python and OS threads (once they have settled),
+def resources() -> dict[str, Any]:
+    """What this process holds now: open fds, Python and OS threads (once they have settled),
     /dev/shm files mapped or open, resident memory in KiB (after a garbage collection and
     a trim of the heap)."""
     gc.collect()
     _trim_heap()
-    fds, threads, os_threads = _settled_counts(served_port)
+    fds, threads, os_threads = _settled_counts()
     return {"fds": fds, "threads": threads, "os_threads": os_threads,
-            "fd_targets": _fd_targets(served_port),
+            "fd_targets": _fd_targets(),
             "shm_files": _shm_files(),
             "rss_kib": _rss_kib()}
 
@@ -219,9 +202,10 @@ def cycle_on_rank(world: Any, backend: str, stem: str, warmup: int, cycles: int,
     they took, and the /dev/shm segments of their jobs still present.
 
     ``how``: ``"same port"``, new world groups of ``backend`` that all meet at one port,
-    as successive jobs under one launcher do (for the torch backends, the next world
-    joins rank 0's store while it is being released); ``"fresh port"``, each at a port of its own; ``"subgroup"``,
-    ``world.new_group`` over all ranks but the last (all ranks in a world of one)."""
+    as successive jobs under one launcher do (for the torch backends, a rank connects
+    for the next world while rank 0 stops the last world's server); ``"fresh port"``,
+    each at a port of its own; ``"subgroup"``, ``world.new_group`` over all ranks but
+    the last (all ranks in a world of one)."""
     port = _agreed_port(world)
     members = list(range(max(1, world.size - 1)))
 
@@ -241,14 +225,12 @@ def cycle_on_rank(world: Any, backend: str, stem: str, warmup: int, cycles: int,
 
     for i in range(warmup):
         one(i)
-    # rank 0 of gloo serves the store at the one port: see _fd_targets
-    served = port if how == "same port" and world.rank == 0 else None
-    before = resources(served)
+    before = resources()
     start = time.perf_counter()
     for i in range(warmup, warmup + cycles):
         one(i)
     seconds = time.perf_counter() - start
-    after = resources(served)
+    after = resources()
     return {"before": before, "after": after, "seconds": seconds,
             "segments": job_segments(stem, warmup + cycles)}
 
@@ -296,8 +278,8 @@ def _check(pool: WorldPool, how: str, cycles: int = CYCLES) -> None:
 def test_create_use_close_cycles_leak_nothing(pool: WorldPool) -> None:
     """``init_process_group`` + collectives + ``close`` of a world group, ``CYCLES``
     times: each at a port of its own (cheapest for zmq, whose rebinding of one port costs
-    ~0.2 s), except gloo's, which all meet at one port (the path where the next world
-    joins rank 0's store while the last one closes: see `_Meeting` in
+    ~0.2 s), except gloo's, which all meet at one port (the path where a rank connects
+    for the next world while rank 0 stops the last one's server: see `_Meeting` in
     backends/torchdist.py; fresh ports: test_gloo_store_of_a_closed_world_is_released)."""
     _check(pool, "same port" if pool.backend == "gloo" else "fresh port")
 
@@ -310,9 +292,6 @@ def test_subgroup_create_use_close_cycles_leak_nothing(pool: WorldPool) -> None:
     _check(pool, "subgroup")
 
 
-@pytest.mark.xfail(strict=True, reason="backends/torchdist.py _STOP_IDLE_SERVERS is off: "
-                   "rank 0 keeps a store server per port it served (stopping it raced "
-                   "with the next world on the same port)")
 @pytest.mark.parametrize("world_size", [WORLD_SIZE], ids=[f"n{WORLD_SIZE}"])
 @pytest.mark.parametrize("backend", _backends(("gloo",)))
 def test_gloo_store_of_a_closed_world_is_released(pool: WorldPool) -> None:
