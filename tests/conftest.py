@@ -30,6 +30,7 @@ import pytest
 import collectives
 from collectives.shm_names import PREFIX, SHM_DIR
 from collectives.testing.pool import LauncherUnavailable, WorldPool, launcher_for, live_pools
+from faults.world import mpich_segments, remove_dead_mpich_segments
 
 #: World sizes every backend is tested with.
 WORLD_SIZES = (1, 2, 3, 4)
@@ -167,11 +168,26 @@ def _shm_entries() -> set[str]:
         return set()
 
 
+#: MPICH's own /dev/shm files (``mpich_shm_*``) -> the test during which each appeared.
+_MPICH_FILES_SEEN: dict[str, str] = {}
+
+
+@pytest.fixture(autouse=True)
+def _note_mpich_files(request: pytest.FixtureRequest) -> Any:
+    """Note which test each new MPICH shared-memory file appeared in: an MPI job that is
+    killed cannot remove its own, and the session's end names the test that left one."""
+    before = mpich_segments()
+    yield
+    for name in mpich_segments() - before:
+        _MPICH_FILES_SEEN.setdefault(name, request.node.nodeid)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_behind(request: pytest.FixtureRequest) -> Any:
     """After the session: no ``collectives-*`` segment in /dev/shm that was not there
     before, no worker process alive, every pool closed cleanly."""
     before = _shm_entries()
+    mpich_before = mpich_segments()
     yield
     problems = list(_close_problems)
     deadline = time.monotonic() + 3.0  # let ranks that are exiting finish
@@ -183,6 +199,9 @@ def nothing_left_behind(request: pytest.FixtureRequest) -> Any:
         time.sleep(0.1)
     if left:
         problems.append(f"shared-memory segments left in {SHM_DIR}: {left}")
+    for name in remove_dead_mpich_segments(mpich_before):
+        problems.append(f"MPICH's {SHM_DIR}/{name} left behind (removed now); it appeared "
+                        f"during {_MPICH_FILES_SEEN.get(name, 'no test (between tests)')}")
     if children:
         problems.append(f"worker processes still alive: {children}")
         for child in children:

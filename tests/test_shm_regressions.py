@@ -153,3 +153,73 @@ def test_pipelined_path_detects_a_size_mismatch():
     assert texts, results
     assert "all_reduce (seq 0)" in texts[0], texts
     assert "400000 bytes" in texts[0] and "400004 bytes" in texts[0], texts
+
+
+# ---------------------------------- a peer that arrives, finishes and closes at once
+# A waiter reads a peer's ``arrived`` word (not there yet), then its state (CLOSED): the
+# peer may have arrived, finished and closed in between (a preempted waiter on two cores
+# and four ranks; a 4-rank soak failed with "rank 0 closed the group" about every 100 s).
+# The waiter must look at ``arrived`` once more after the state before it blames the peer.
+
+class _LateArrival:
+    """``u64`` whose word ``index`` reads ``stale`` until word ``state`` is first read:
+    the peer arrived and closed between the waiter's read of one and of the other."""
+
+    def __init__(self, u64, index: int, stale: int, state: int) -> None:
+        self._u64, self._index, self._stale, self._state = u64, index, stale, state
+        self._state_seen = False
+
+    def __getitem__(self, i):
+        if i == self._state:
+            self._state_seen = True
+        elif i == self._index and not self._state_seen:
+            return self._stale
+        return self._u64[i]
+
+    def __setitem__(self, i, value) -> None:
+        self._u64[i] = value
+
+
+def _two_ranks_in_one_process():
+    import secrets
+    import threading
+
+    from backends.shm.group import ShmGroup
+    job, groups = f"race-{secrets.token_hex(4)}", [None, None]
+
+    def open_rank(r):
+        groups[r] = ShmGroup.open(job, "world", r, 2, 10.0, (0, 1))
+
+    threads = [threading.Thread(target=open_rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(groups), "the two ranks did not set up their group"
+    return groups
+
+
+def test_a_peer_that_arrived_before_it_closed_is_not_blamed():
+    import pytest
+
+    from backends.shm import segment as sg
+    from collectives import PeerError
+    g0, g1 = _two_ranks_in_one_process()
+    real = g0._u64
+    try:
+        q = g0._phase + 1
+        peer_arrived = g0._arrived_idx[1]
+        real[g0._arrived_idx[0]] = q          # rank 0 published its phase
+        real[peer_arrived] = q                # rank 1 arrived ...
+        real[g0._state_idx[1]] = sg.STATE_CLOSED  # ... and closed, all while we slept
+        # Until the waiter reads the peer's state (CLOSED), it saw the peer not arrived.
+        g0._u64 = _LateArrival(real, peer_arrived, q - 1, g0._state_idx[1])
+        g0._await_slow(q)                     # returns: the peer did its part
+        g0._u64 = real
+        real[peer_arrived] = q - 1            # a peer that closed without arriving ...
+        with pytest.raises(PeerError, match="rank 1 closed the group"):
+            g0._await_slow(q)                 # ... is named
+    finally:
+        g0._u64 = real
+        g0.close()
+        g1.close()

@@ -198,6 +198,14 @@ def _left_behind(before: set[str], wait: float = 10.0) -> set[str]:
         time.sleep(0.2)
 
 
+def _thinned(samples: list, keep: int = 12) -> list:
+    """About ``keep`` of ``samples``, evenly spaced, the first and the last included."""
+    if len(samples) <= keep:
+        return samples
+    step = (len(samples) - 1) / (keep - 1)
+    return [samples[round(i * step)] for i in range(keep)]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_soak(backend: str) -> None:
     from conftest import backend_params
@@ -224,7 +232,7 @@ def test_soak(backend: str) -> None:
     print(f"soak {backend}: seed {seed}, {results[0]['ops']} ops + {results[0]['extras']} "
           f"extras in {results[0]['seconds']:.0f} s; rss delta KiB {rss}; fds "
           f"{[r['after']['fds'] for r in results]}; rank 0 rss (ops, KiB) "
-          f"{results[0]['rss']}")
+          f"{_thinned(results[0]['rss'])}")
     orphans = _left_behind(shm_before)
     assert not orphans, f"{backend}: segments left in {SHM_DIR} by the world: {orphans}"
     assert not problems, f"{backend} (seed {seed}) leaked:\n  " + "\n  ".join(problems)
