@@ -715,18 +715,18 @@ class MpiGroup(ProcessGroup):
 
     def _all_to_all(self, out: np.ndarray, inp: np.ndarray, out_counts: Sequence[int],
                     in_counts: Sequence[int], seq: int) -> None:
+        # Always Ialltoallv, never Ialltoall for counts that happen to be equal: a rank
+        # sees only its own counts, and MPI requires every rank to call the same
+        # collective. A rank whose split sizes were all 0 called Ialltoall while the others
+        # called Ialltoallv; MPICH completed that call and then hung in the next
+        # collective (found by the 4-rank soak).
         k = out.dtype.itemsize
         o, i = out.reshape(-1).view(np.uint8), inp.reshape(-1).view(np.uint8)
-        if len(set(out_counts)) <= 1 and len(set(in_counts)) <= 1 and \
-                list(out_counts) == list(in_counts):
-            count = (in_counts[0] if in_counts else 0) * k
-            request = self._comm.Ialltoall([i, count, MPI.BYTE], [o, count, MPI.BYTE])
-        else:
-            send_counts = [c * k for c in in_counts]
-            recv_counts = [c * k for c in out_counts]
-            request = self._comm.Ialltoallv(
-                [i, (send_counts, _displacements(send_counts)), MPI.BYTE],
-                [o, (recv_counts, _displacements(recv_counts)), MPI.BYTE])
+        send_counts = [c * k for c in in_counts]
+        recv_counts = [c * k for c in out_counts]
+        request = self._comm.Ialltoallv(
+            [i, (send_counts, _displacements(send_counts)), MPI.BYTE],
+            [o, (recv_counts, _displacements(recv_counts)), MPI.BYTE])
         self._issue(request, keep=(out, inp))
 
     # ----------------------------------------------------------------- sub-groups

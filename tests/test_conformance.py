@@ -260,6 +260,39 @@ def test_async_ops_return_work(pool, world_size):
         np.testing.assert_array_equal(got["sync"], np.full(2, n * (n + 1) / 2))
 
 
+def _splits(n: int) -> list[list[int]]:
+    """Rows rank i sends rank j; the last rank sends and receives nothing (its split sizes
+    are all 0: equal, as if no splits were given, while the others' differ)."""
+    return [[0 if n - 1 in (i, j) else (i + j) % 2 + 1 for j in range(n)] for i in range(n)]
+
+
+def _uneven_all_to_all_on_ranks(group) -> list:
+    rank, n = group.rank, group.size
+    S = _splits(n)
+    results = []
+    for _ in range(2):  # and the collectives after it still match up
+        inp = np.concatenate([np.full(S[rank][j], rank * 100 + j, np.int64)
+                              for j in range(n)])
+        out = np.empty(sum(S[j][rank] for j in range(n)), np.int64)
+        group.all_to_all(out, inp, output_split_sizes=[S[j][rank] for j in range(n)],
+                         input_split_sizes=S[rank])
+        group.barrier()
+        total = np.ones(1)
+        group.all_reduce(total)
+        results.append((out.tolist(), float(total[0])))
+    return results
+
+
+def test_all_to_all_where_one_rank_moves_nothing(pool, world_size):
+    """One rank's split sizes are all 0 (so they look like no splits at all) while the
+    others' are not: every rank must still run the same collective (MPI once ran
+    Ialltoall on that rank and Ialltoallv on the others; the next barrier hung)."""
+    n, S = world_size, _splits(world_size)
+    for rank, got in enumerate(pool.call(_uneven_all_to_all_on_ranks)):
+        expected = [j * 100 + rank for j in range(n) for _ in range(S[j][rank])]
+        assert got == [(expected, float(n))] * 2, f"rank {rank}"
+
+
 # --------------------------------------------------------------------------- objects
 def _objects_on_ranks(group) -> tuple:
     rank, n = group.rank, group.size

@@ -1,5 +1,6 @@
 """Soak: four ranks of each backend run random collectives for a long time (default 600 s,
-``COLLECTIVES_SOAK_SECONDS``) with every result checked and nothing leaked.
+``COLLECTIVES_SOAK_SECONDS``) with every result checked and nothing leaked. The seed is
+printed (and in a failure's message); ``COLLECTIVES_SOAK_SEED`` replays one.
 
 Slow (``pytest -m slow tests/test_soak.py``). Every rank draws the same sequence of
 operations from one seeded RNG (op, size up to 256 Ki elements, dtype, reduction, root,
@@ -212,7 +213,7 @@ def test_soak(backend: str) -> None:
     for param in backend_params():
         if param.values[0] == backend and param.marks:
             pytest.skip(param.marks[0].kwargs.get("reason", "unavailable"))
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = int(os.environ.get("COLLECTIVES_SOAK_SEED") or int.from_bytes(os.urandom(4), "little"))
     shm_before = set(os.listdir(SHM_DIR))
     with WorldPool(backend, WORLD_SIZE, timeout=60.0, preload=("torch",)) as pool:
         results = pool.call(soak_on_rank, seed, SECONDS, timeout=SECONDS + 180.0)
