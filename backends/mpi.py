@@ -842,7 +842,30 @@ def create(rendezvous: Rendezvous, timeout: float) -> MpiGroup:
     if not _poll(dup[1].Test, timeout):
         raise CollectiveTimeout(f"{where}: not every rank arrived within {timeout:g} s",
                                 op="init")
+    _unlink_mpich_init_segments()
     return MpiGroup(dup[0], timeout=timeout, where=where)
+
+
+def _unlink_mpich_init_segments() -> None:
+    """Unlink the ``/dev/shm/mpich_shm_*`` files this process has mapped.
+
+    MPICH maps one such file per node in ``MPI_Init``, and means to unlink it once every
+    local rank mapped it. MPICH 5.0.2 (the ``mpich`` wheel) leaves it behind now and then,
+    after a clean ``MPI_Finalize`` too: 4 MiB per job, in 2 of 5 four-rank jobs here.
+    Once the world's ``Idup`` completed on this rank, every rank is past ``MPI_Init``, so
+    no rank opens the file by name any more; the mapping lives on without the name."""
+    prefix = "/dev/shm/mpich_shm_"
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split(maxsplit=5)[-1].strip() for line in maps if prefix in line}
+    except OSError:  # not Linux: nothing to do
+        return
+    for path in paths:
+        if path.startswith(prefix) and not path.endswith(" (deleted)"):
+            try:
+                os.unlink(path)
+            except OSError:  # another local rank was first, or not ours to remove
+                pass
 
 
 @atexit.register
