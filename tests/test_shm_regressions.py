@@ -223,3 +223,33 @@ def test_a_peer_that_arrived_before_it_closed_is_not_blamed():
         g0._u64 = real
         g0.close()
         g1.close()
+
+
+def test_a_message_sent_before_its_sender_closed_is_received():
+    """The point-to-point side: the peer wrote its message into the ring and closed
+    between the receiver's look at the ring (nothing yet) and its read of the peer's
+    state (CLOSED). The receiver must look at the ring once more before it blames it."""
+    from backends.shm import segment as sg
+    from backends.shm.ops import dtype_code
+    g0, g1 = _two_ranks_in_one_process()
+    real, engine = g0._u64, g0._engine
+    progress = engine.progress_locked
+    try:
+        got = np.zeros(3, np.int64)
+        op = engine.post_recv(got, 1, 7, dtype_code(got.dtype))
+        g1.send(np.array([5, 6, 7], np.int64), dst=0, tag=7)   # into the ring ...
+        g1.close()                                             # ... and closed
+        assert real[g0._state_idx[1]] == sg.STATE_CLOSED
+        # Until the receiver reads the peer's state, its looks at the ring find nothing
+        # (no word reads stale here: index -1 is never read; the wrapper only watches).
+        watch = _LateArrival(real, -1, 0, g0._state_idx[1])
+        g0._u64 = watch
+        engine.progress_locked = lambda drain: progress(drain) if watch._state_seen else False
+        g0._p2p_wait(op, None, "recv from rank 1 (tag 7)", 1)
+        assert got.tolist() == [5, 6, 7]
+    finally:
+        engine.progress_locked = progress
+        g0._u64 = real
+        g0.close()
+        g1.close()
+
