@@ -252,4 +252,3 @@ def test_a_message_sent_before_its_sender_closed_is_received():
         g0._u64 = real
         g0.close()
         g1.close()
-
