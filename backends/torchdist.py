@@ -15,9 +15,9 @@ client. Keys live under ``collectives/<restart>/world<k>/``, ``k`` counting the 
 process opened on that store, and a sub-group's under its parent's prefix plus its members
 and instance number. A store is released when the last group on it closes (``_Meeting``:
 rank 0 stops its server once the other ranks reported their close, and a rank joining
-the next world at the same port makes sure it reached the server of that world). A gloo group is
-returned only after a barrier over it, so that no rank can close it (or exit) while a
-peer is still finishing its handshake.
+the next world at the same port makes sure it reached the server of that world). A gloo
+group is returned only after a barrier over it, so that no rank can close it (or exit)
+while a peer is still finishing its handshake.
 
 Every collective is torch's own (``allreduce``, ``_allgather_base``, ``alltoall_base``,
 ...) on the caller's memory: a contiguous CPU tensor goes to c10d as it is
