@@ -29,14 +29,14 @@ import os
 import secrets
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
 import collectives
 from collectives.shm_names import PREFIX, SHM_DIR, job_digest
-from collectives.spawn import free_port
+from collectives.spawn import _environment, free_port
 from collectives.testing.pool import WorldPool
 
 #: The backends whose groups are created and destroyed (``p2p:shm`` shares shm's).
@@ -58,19 +58,17 @@ RSS_SLACK_KIB = 4096
 
 
 # ------------------------------------------------------------------- measuring (ranks)
-def _shm_files() -> list[str]:
-    """The /dev/shm files this process maps or holds open (any library's)."""
+def _shm_files(fd_targets: list[str]) -> list[str]:
+    """The /dev/shm files this process maps, or holds open (``fd_targets``: what its fds
+    point at), any library's."""
     names = set()
     with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
         for line in maps:
             path = line.rstrip("\n").split(maxsplit=5)[-1]
             if path.startswith(SHM_DIR + "/"):
                 names.add(path.removesuffix(" (deleted)"))
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/self/fd/{fd}")
-            if target.startswith(SHM_DIR + "/"):
-                names.add(target.removesuffix(" (deleted)"))
+    names.update(t.removesuffix(" (deleted)") for t in fd_targets
+                 if t.startswith(SHM_DIR + "/"))
     return sorted(names)
 
 
@@ -127,9 +125,10 @@ def resources() -> dict[str, Any]:
     gc.collect()
     _trim_heap()
     fds, threads, os_threads = _settled_counts()
+    fd_targets = _fd_targets()
     return {"fds": fds, "threads": threads, "os_threads": os_threads,
-            "fd_targets": _fd_targets(),
-            "shm_files": _shm_files(),
+            "fd_targets": fd_targets,
+            "shm_files": _shm_files(fd_targets),
             "rss_kib": _rss_kib()}
 
 
@@ -149,26 +148,12 @@ def leaks(before: dict[str, Any], after: dict[str, Any], rss_slack_kib: int) -> 
     return problems
 
 
-@contextlib.contextmanager
-def _environment(**values: str) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def fresh_world(world: Any, backend: str, job_id: str, port: int) -> Any:
     """A new world group of ``backend`` over the ranks of ``world`` (call on every rank):
     the launcher's path, ``init_process_group``, with meeting point ``port`` and a new
     job id."""
-    with _environment(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      COLLECTIVES_JOB_ID=job_id):
+    with _environment({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "COLLECTIVES_JOB_ID": job_id}):
         # rank and size from the launcher's variables (as a launched rank does), so the
         # backend sees the launcher it would see in a real job (zmq trusts a one-host
         # spawn job through a key file, for instance)
