@@ -400,7 +400,7 @@ class ProcessGroup(abc.ABC):
         src = self._check_rank(src, "src", w)
         buf = self._to_host(tensor, where=w, arg="tensor", write=self.rank != src)
         return self._dispatch_collective(
-            "broadcast", lambda seq: self._broadcast(buf.array, src, seq),
+            "broadcast", lambda seq: self._broadcast(buf.array.reshape(-1), src, seq),
             [buf], async_op, buf.array.shape, buf.array.dtype, src)
 
     def all_reduce(self, tensor: Tensor, op: ReduceOp = ReduceOp.SUM, *,
@@ -415,7 +415,7 @@ class ProcessGroup(abc.ABC):
         op = check_reducible(op, host_dtype(tensor), w)
         buf = self._to_host(tensor, where=w, arg="tensor", write=True)
         return self._dispatch_collective(
-            "all_reduce", lambda seq: self._all_reduce(buf.array, op, seq),
+            "all_reduce", lambda seq: self._all_reduce(buf.array.reshape(-1), op, seq),
             [buf], async_op, buf.array.shape, buf.array.dtype, -1, op)
 
     def reduce(self, tensor: Tensor, dst: int = 0, op: ReduceOp = ReduceOp.SUM, *,
@@ -432,7 +432,7 @@ class ProcessGroup(abc.ABC):
         op = check_reducible(op, host_dtype(tensor), w)
         buf = self._to_host(tensor, where=w, arg="tensor", write=self.rank == dst)
         return self._dispatch_collective(
-            "reduce", lambda seq: self._reduce(buf.array, dst, op, seq),
+            "reduce", lambda seq: self._reduce(buf.array.reshape(-1), dst, op, seq),
             [buf], async_op, buf.array.shape, buf.array.dtype, dst, op)
 
     def all_gather(self, output: Tensor, input: Tensor, *,
