@@ -207,12 +207,30 @@ def _wire_tag(tag: int) -> int:
 
 
 # ------------------------------------------------------------------------------ Work
+
+def _is_watch_timeout(exc: RuntimeError) -> bool:
+    """Whether ``exc`` is the end of one ``wait(_WATCH_INTERVAL)`` slice, not a real error.
+
+    gloo words it per op: a collective's work says "Operation timed out!", a send or a
+    receive "Timed out waiting 500ms for recv operation to complete" (torch 2.13), with
+    the slice's length in milliseconds; the group timeout names its own, longer, length.
+    """
+    text = str(exc)
+    return ("Operation timed out!" in text
+            or f"Timed out waiting {round(_WATCH_INTERVAL.total_seconds() * 1000)}ms" in text)
+
+
 class TorchWork(Work):
     """One operation on a torch group: torch's work object plus what remains to do once
     it finished (AVG's division, int16's narrowing, writing staged results back).
 
     ``wait(timeout)`` raises :class:`CollectiveTimeout` when the operation is still
     running after ``timeout`` seconds (it goes on; wait again later).
+
+    A send or receive cannot be polled: gloo's ``is_completed()`` of one stays false until
+    someone waited on it, and a ``wait(timeout)`` that times out closes the connection
+    (torch 2.13: "Application timeout caused pair closure"). So such a Work is finished
+    by one plain ``wait()``, on a thread of its own once somebody polls it.
     """
 
     def __init__(self, group: "TorchGroup", op: str, seq: int, works: Sequence[Any],
@@ -229,6 +247,8 @@ class TorchWork(Work):
         self._lock = threading.Lock()
         self._finished = False
         self._error: Optional[BaseException] = None
+        self._p2p = seq < 0 and peer >= 0
+        self._waiter: Optional[threading.Thread] = None
 
     def wait(self, timeout: Optional[float] = None) -> None:
         if not self._finished:
@@ -239,11 +259,31 @@ class TorchWork(Work):
             raise self._error
 
     def is_completed(self) -> bool:
-        if not self._finished and all(w.is_completed() for w in self._works):
+        if self._p2p:
+            self._start_waiter()
+        elif not self._finished and all(w.is_completed() for w in self._works):
             self._finish()
         return self._finished
 
+    def _start_waiter(self) -> None:
+        with self._lock:
+            if self._waiter is None and not self._finished:
+                self._waiter = threading.Thread(target=self._finish, daemon=True,
+                                                name=f"collectives-gloo-{self._op}")
+                self._waiter.start()
+
     def _poll(self, timeout: float) -> None:
+        if self._p2p:
+            self._start_waiter()
+            waiter = self._waiter
+            if waiter is not None:
+                waiter.join(timeout)
+                if waiter.is_alive():
+                    raise CollectiveTimeout(
+                        f"{self._group._describe(self._op, self._seq)}: still running "
+                        f"after Work.wait(timeout={timeout})", op=self._op, seq=self._seq,
+                        missing=(self._peer,))
+            return
         deadline = time.monotonic() + timeout
         delay = 20e-6
         while not all(w.is_completed() for w in self._works):
@@ -438,8 +478,13 @@ class TorchGroup(ProcessGroup):
 
     def _wait(self, w: Any, op: str, seq: int, peer: int = -1) -> None:
         """``w.wait()``, raising :class:`PeerError` as soon as a member of the group on
-        this host dies (checked every ``_WATCH_INTERVAL``)."""
-        if not self._local_pids:
+        this host dies (checked every ``_WATCH_INTERVAL``).
+
+        A send or receive (``seq < 0``, ``peer >= 0``) is waited on whole: a sliced wait on one that
+        times out closes gloo's connection (see :class:`TorchWork`). Its peer's death
+        still ends it at once, as a closed connection (``_translate`` names the rank).
+        """
+        if not self._local_pids or (seq < 0 and peer >= 0):
             w.wait()
             return
         while True:
@@ -447,7 +492,7 @@ class TorchGroup(ProcessGroup):
                 w.wait(_WATCH_INTERVAL)
                 return
             except RuntimeError as exc:
-                if "Operation timed out!" not in str(exc):
+                if not _is_watch_timeout(exc):
                     raise  # gloo's own error (or its group timeout): see _translate
                 dead = self._dead_peers()
                 if dead:
@@ -865,6 +910,7 @@ _STORES_LOCK = threading.RLock()
 _OPEN_KEY = "collectives/meeting/open/"
 _CLOSED_KEY = "collectives/meeting/closed/"
 _RELEASED_KEY = "collectives/meeting/released/"
+_LEFT_KEY = "collectives/meeting/left/"
 #: How long rank 0, at its last close, waits for the other ranks' reports that they
 #: closed theirs, before it stops its server anyway (a late rank's report is lost: it
 #: no longer needs the store, which only set up the groups).
@@ -881,8 +927,12 @@ class _Meeting:
 
     - at its last close rank 0 waits (up to ``_CLOSE_WAIT_S``) until every other rank
       reported on the store that it closed its groups of world k (``closed/k``), then
-      writes ``released/k`` and lets the server go; the other ranks disconnect once they
-      see ``released/k`` (so a close is collective, as a group's close is anyway);
+      writes ``released/k``; the other ranks, once they see ``released/k``, report that
+      they are leaving (``left/k``) and disconnect, and rank 0 lets the server go once
+      all of them left (so a close is collective, as a group's close is anyway). Without
+      that last report the server could go while a client's wait for ``released/k`` was
+      still to be answered: torch then prints a warning with a 24-frame C++ stack
+      (``recvValueWithTimeout failed``) in a run that went well;
     - a rank that connects for world k waits until rank 0 wrote ``open/k`` on the server
       it reached. A fast rank may still reach the server of world k-1 in the moment
       between ``released/k-1`` and its stop (at the same port); its wait then breaks
@@ -918,19 +968,23 @@ class _Meeting:
             self._forget()
         if not self.handshake or broken or store is None:
             return
-        released = f"{_RELEASED_KEY}{self.world}"
+        released, left = f"{_RELEASED_KEY}{self.world}", f"{_LEFT_KEY}{self.world}"
         try:
             if not self.serving:
                 store.add(closed, 1)
                 # Disconnect only once rank 0 lets its server go: a rank that connected
                 # for its next world at once would reach the old server (see the class).
                 store.wait([released], datetime.timedelta(seconds=_CLOSE_WAIT_S + 1.0))
+                store.add(left, 1)
                 return
+            others = self.world_size - 1
             deadline = time.monotonic() + _CLOSE_WAIT_S
-            while store.add(closed, 0) < self.world_size - 1 \
-                    and time.monotonic() < deadline:
+            while store.add(closed, 0) < others and time.monotonic() < deadline:
                 time.sleep(0.002)
             store.set(released, "1")
+            deadline = time.monotonic() + _CLOSE_WAIT_S
+            while store.add(left, 0) < others and time.monotonic() < deadline:
+                time.sleep(0.002)
         except RuntimeError:  # the server is gone already, or a report could not land
             pass
 
