@@ -670,6 +670,10 @@ class MpiGroup(ProcessGroup):
         self._track(work)
         return work
 
+    def size_thresholds(self) -> tuple:
+        """None of ours: every collective is the library's own, which picks its algorithms."""
+        return ()
+
     def _barrier(self, seq: int) -> None:
         self._issue(self._comm.Ibarrier(), op="barrier", seq=seq)
 

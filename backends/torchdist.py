@@ -657,6 +657,10 @@ class TorchGroup(ProcessGroup):
         self._track(work)
         return work
 
+    def size_thresholds(self) -> tuple:
+        """None of ours: every collective is the library's own, which picks its algorithms."""
+        return ()
+
     def _barrier(self, seq: int) -> None:
         self._issue(self._c10d("barrier").barrier(_BARRIER_OPTS))
 

@@ -28,6 +28,7 @@ from . import algorithms, call_check, flight
 from .buffers import HostBuffer, host_dtype, is_tensor_like, numel, to_host
 from .errors import CollectiveError, where as _where
 from .reduce_op import ReduceOp, check_reducible
+from .thresholds import SizeThreshold
 from .work import FutureWork, Work
 
 #: User tags of send/recv must lie in [0, MAX_USER_TAG).
@@ -130,6 +131,17 @@ class ProcessGroup(abc.ABC):
         """
         from .subgroup import SubGroup
         return SubGroup(self, ranks, instance)
+
+    def size_thresholds(self) -> "tuple[SizeThreshold, ...]":
+        """The message sizes at which this group's collectives change path (see
+        :mod:`collectives.thresholds`): the conformance suite crosses each from both
+        sides. The default is the send/recv algorithms'; a backend with collectives of its
+        own lists its own lines instead (none, where a library such as MPI decides).
+
+        Two ranks: ``[t.name for t in pg.size_thresholds()]`` ->
+        ``['algorithms.ALL_REDUCE_RING_BYTES', ...]`` (on a backend using the defaults).
+        """
+        return algorithms.dispatch.THRESHOLDS
 
     def _to_host(self, obj: Any, *, where: str, arg: str, write: bool) -> HostBuffer:
         """The memory the collective hooks run on for argument ``arg`` (see

@@ -35,7 +35,6 @@ _TERMINATE_GRACE = 2.0
 #: another rank (a killed peer's neighbours report PeerError; we prefer the original).
 _ROOT_CAUSE_GRACE = 1.0
 
-
 class SpawnError(CollectiveError):
     """A rank of a spawned job failed. ``rank``, ``exitcode`` and ``remote_traceback``
     say which and how; ``__cause__`` is the rank's own exception when it could be sent."""
@@ -137,7 +136,8 @@ def spawn(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
 
     procs: list[multiprocessing.process.BaseProcess] = []
     conns: list[multiprocessing.connection.Connection] = []
-    job = _Job(procs, conns, job_id)
+    job = _Job(procs, conns, job_id,
+               base_env.get("COLLECTIVES_BACKEND", os.environ.get("COLLECTIVES_BACKEND")))
     with sigterm_raises():
         try:
             for rank in range(nproc):
@@ -161,6 +161,35 @@ def spawn(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
         with _signals_deferred(deliver=True):
             job.stop()
         return results
+
+
+#: Backends whose library may abort the process (gloo's C++ ``terminate``, MPI's error
+#: handler) when the ranks' calls do not match, instead of raising.
+_ABORTING_BACKENDS = ("gloo", "mpi", "torch", "nccl")
+
+
+def describe_exit(code: Optional[int], backend: Optional[str] = None) -> str:
+    """How a process ended, for an error message: ``"exited with code 3"``, ``"was
+    killed by signal 9 (SIGKILL)"``; for SIGABRT under a backend whose library aborts on
+    mismatched calls, how to have the mismatch named instead.
+
+    >>> describe_exit(-6, "gloo").split(";")[0]
+    'was killed by signal 6 (SIGABRT)'
+    """
+    if code is None:
+        return "ended without an exit code"
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = f" ({signal.Signals(-code).name})"
+    except ValueError:
+        name = ""
+    text = f"was killed by signal {-code}{name}"
+    if -code == signal.SIGABRT and (backend or "").split(":")[-1] in _ABORTING_BACKENDS:
+        text += (f"; under {backend} a call that does not match the other ranks' (another "
+                 f"op, size, dtype or root) can abort inside the library: run with "
+                 f"COLLECTIVES_DEBUG=1 to have the mismatch named (CollectiveMismatch)")
+    return text
 
 
 def _check_arguments(fn: Any, nproc: Any, args: Any, backend: Any, timeout: Any,
@@ -194,8 +223,10 @@ def _check_arguments(fn: Any, nproc: Any, args: Any, backend: Any, timeout: Any,
 class _Job:
     """The parent's view of the spawned ranks: results, failures, and clean-up."""
 
-    def __init__(self, procs: list, conns: list, job_id: str) -> None:
+    def __init__(self, procs: list, conns: list, job_id: str,
+                 backend: Optional[str] = None) -> None:
         self.procs, self.conns, self.job_id = procs, conns, job_id
+        self.backend = backend  # names the library in the message of a rank that aborted
         self.reported: set[int] = set()
 
     def collect(self, join_timeout: Optional[float]) -> list[Any]:
@@ -232,9 +263,9 @@ class _Job:
                         continue
                     if message is None:
                         proc.join(0.1)
-                        failures.append((r, "died", f"rank {r} exited with code "
-                                         f"{proc.exitcode} without a result",
-                                         "", None, proc.exitcode))
+                        failures.append((r, "died", f"rank {r} "
+                                         f"{describe_exit(proc.exitcode, self.backend)} "
+                                         f"without a result", "", None, proc.exitcode))
                     elif message[0] == "ok":
                         results[r] = message[1]
                     else:

@@ -10,6 +10,8 @@ to point. The ``_on_ranks`` functions run inside the workers (``pool.call``).
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,21 +19,143 @@ from hypothesis import HealthCheck, given, settings
 
 from collectives import ReduceOp, Work
 from collectives.testing import CollectiveCase, RemoteError, WorldPool, collective_cases, reference
+from collectives.testing.strategies import REDUCING_OPS, ROOT_ARG, numpy_dtype, shape_of
+from collectives.thresholds import boundary_sizes
+
+ROOT = Path(__file__).resolve().parent.parent
 
 #: Examples per (backend, world size); override with COLLECTIVES_MAX_EXAMPLES.
 MAX_EXAMPLES = int(os.environ.get("COLLECTIVES_MAX_EXAMPLES", "200"))
 
 
+#: Examples per (backend, world size) of the skewed-arrival sweep, each up to 2 s long;
+#: override with COLLECTIVES_SKEW_EXAMPLES.
+SKEW_EXAMPLES = int(os.environ.get("COLLECTIVES_SKEW_EXAMPLES", "5"))
+
+
+def _size_thresholds(group) -> tuple:
+    return tuple(group.size_thresholds())
+
+
 # ----------------------------------------------------------------------- the sweep
 @pytest.mark.timeout(900)
 def test_collectives_match_the_reference(pool: WorldPool, backend: str, world_size: int):
+    thresholds = pool.call(_size_thresholds)[0]
+
     @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
-    @given(case=collective_cases(world_size))
+    @given(case=collective_cases(world_size, thresholds=thresholds))
     def conforms(case: CollectiveCase) -> None:
         pool.check(case)
 
     conforms()
+
+
+@pytest.mark.timeout(600)
+def test_skewed_arrival(pool: WorldPool, backend: str, world_size: int):
+    """Per example a drawn rank arrives 0-2 s late (longer than gloo's 0.5 s watch, shm's
+    0.2 s sleeps, zmq's 0.1 s slices): the others wait for it, and get the right result."""
+    if world_size == 1:
+        pytest.skip("a world of one waits for nobody")
+    thresholds = pool.call(_size_thresholds)[0]
+
+    @settings(max_examples=SKEW_EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(case=collective_cases(world_size, thresholds=thresholds, skew=True))
+    def conforms(case: CollectiveCase) -> None:
+        pool.check(case)
+
+    conforms()
+
+
+# ------------------------------------------------------------- every size threshold
+def boundary_cases(thresholds, world_size: int) -> list[CollectiveCase]:
+    """For every line of ``thresholds`` and every collective it governs at this world
+    size: a float32 case just below it and one just above it (1-D, and 3-D strided)."""
+    cases = []
+    for t in thresholds:
+        for op in t.ops:
+            if op == "send" or not t.applies(op, world_size):
+                continue
+            below, _, above = boundary_sizes(t, 4)
+            for i, count in enumerate((below, above)):
+                cases.append(CollectiveCase(
+                    op, (count,) if i == 0 else shape_of(count, 3), "float32",
+                    reduce_op="SUM" if op in REDUCING_OPS else None,
+                    root=world_size - 1 if op in ROOT_ARG else None,
+                    layout="contiguous" if i == 0 else "strided", kind="torch",
+                    seed=count))
+    return cases
+
+
+def crossings(thresholds, cases, world_size: int) -> dict:
+    """``{(threshold name, op): {"below": k, "above": m}}``: how many of ``cases`` lie on
+    each side of each line that applies to their op (contribution bytes)."""
+    counts = {(t.name, op): {"below": 0, "above": 0} for t in thresholds for op in t.ops
+              if op != "send" and t.applies(op, world_size)}
+    for case in cases:
+        nbytes = int(np.prod(case.shape, dtype=np.int64)) * numpy_dtype(case.dtype).itemsize
+        for t in thresholds:
+            side = t.side(nbytes)
+            if side and t.applies(case.op, world_size) and (t.name, case.op) in counts:
+                counts[(t.name, case.op)][side] += 1
+    return counts
+
+
+@pytest.mark.timeout(600)
+def test_every_size_threshold_is_crossed(pool: WorldPool, world_size: int):
+    """Every line the group's implementation draws (``size_thresholds()``: the send/recv
+    defaults', shm's, zmq's) is run from both sides and matches the reference; the count
+    of cases per side proves no line was left out."""
+    thresholds = pool.call(_size_thresholds)[0]
+    cases = boundary_cases(thresholds, world_size)
+    for case in cases:
+        pool.check(case)
+    counts = crossings(thresholds, cases, world_size)
+    missed = {k: v for k, v in counts.items() if not (v["below"] and v["above"])}
+    assert not missed, f"size thresholds not crossed from both sides: {missed}"
+    print(f"{pool.backend} x{world_size}: {len(counts)} (threshold, op) lines crossed by "
+          f"{len(cases)} cases")
+
+
+_SIZE_CONSTANT = re.compile(r"^_?[A-Z][A-Z0-9_]*(_BYTES|_MIN|_MAX)$")
+#: Module-level size constants that are not a switch between paths of a collective.
+_NOT_A_SWITCH = {
+    "backends.shm.channels.HEADER_BYTES", "backends.shm.segment.HEADER_BYTES",
+    "backends.zeromq.native.SCRATCH_KEEP_BYTES", "backends.zeromq.auth.NONCE_BYTES",
+    "backends.zeromq.auth.MAC_BYTES", "backends.zeromq.connect.RECONNECT_IVL_MS",
+    "backends.zeromq.wire.MAX_DIMS", "backends.zeromq.connect.RECONNECT_IVL_MAX_MS",
+    "backends.shm.segment.BELL_BYTE", "backends.shm.futex._WAKE_ALL",
+    "collectives.thresholds.MARGIN", "collectives.testing.strategies.LARGE_BYTES",
+}
+
+
+def test_every_size_constant_is_a_registered_threshold():
+    """A new size constant in a dispatch module fails here until it is listed in a
+    ``size_thresholds()`` (so the suite crosses it) or named as no switch above."""
+    import importlib
+    import pkgutil
+
+    import backends
+    import collectives
+    registered = " ".join(t.name for t in collectives.algorithms.dispatch.THRESHOLDS)
+    for path in ("backends/shm/group.py", "backends/zeromq/group.py"):
+        registered += (ROOT / path).read_text()
+    unlisted = []
+    for pkg in (collectives, backends):
+        for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+            if info.name.endswith(("mpi", "torchdist", "__main__")) or ".bench" in info.name:
+                continue  # no size switches of ours (the libraries choose), or tooling
+            module = importlib.import_module(info.name)
+            for name, value in vars(module).items():
+                full = f"{info.name}.{name}"
+                if (_SIZE_CONSTANT.match(name) and isinstance(value, int)
+                        and not isinstance(value, bool) and value >= 1024
+                        and full not in _NOT_A_SWITCH and name.lstrip("_") not in registered
+                        and getattr(module, "__name__", "") == info.name):
+                    unlisted.append(full)
+    assert not unlisted, (f"size constants neither in a size_thresholds() nor in "
+                          f"_NOT_A_SWITCH: {sorted(set(unlisted))}")
 
 
 # ---------------------------------------------------------------------------- errors
@@ -350,3 +474,41 @@ def test_send_and_recv_match_by_tag(pool, world_size):
         second = np.zeros(12, np.float32)
         second[::2] = np.arange(6) + prv
         np.testing.assert_array_equal(got["second"], second)
+
+
+def _p2p_sizes_on_ranks(group, counts: list, late: list) -> list:
+    """For each element count: every rank sends a shaped float32 tensor of that many
+    elements to the next rank and receives one from the previous; rank ``late[i]`` sleeps
+    ``late[i + 1]`` seconds before the i-th send (a receiver waits longer than every
+    internal poll). Returns how many elements arrived wrong, per count."""
+    import time
+
+    import torch
+    n, rank = group.size, group.rank
+    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    wrong = []
+    for i, count in enumerate(counts):
+        shape = shape_of(count, 1 + i % 4)
+        got = torch.zeros(shape)
+        recv = group.irecv(got, prv, tag=i)
+        if rank == late[0] % n and i % 2 == 0:
+            time.sleep(late[1])
+        value = torch.arange(count, dtype=torch.float32).reshape(shape) + 1000 * rank
+        group.send(value, nxt, tag=i)
+        recv.wait()
+        want = torch.arange(count, dtype=torch.float32).reshape(shape) + 1000 * prv
+        wrong.append(int((got != want).sum()))
+    return wrong
+
+
+def test_point_to_point_across_every_size_threshold(pool, world_size):
+    """Sends just below and just above each of the group's point-to-point lines (shm's
+    ring, zmq's inline, zero-copy and multi-frame messages), every other one with a rank
+    arriving 0.7 s late."""
+    if world_size == 1:
+        pytest.skip("point to point needs two ranks")
+    thresholds = [t for t in pool.call(_size_thresholds)[0] if t.applies("send", world_size)]
+    counts = [c for t in thresholds for c in boundary_sizes(t, 4)] or [1, 100_000]
+    wrong = pool.call(_p2p_sizes_on_ranks, counts, [world_size - 1, 0.7],
+                      timeout=pool.timeout + 2 * len(counts))
+    assert wrong == [[0] * len(counts)] * world_size, (counts, wrong)

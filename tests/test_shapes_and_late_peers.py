@@ -145,3 +145,30 @@ def test_gloo_worlds_that_end_well_print_no_warning(tmp_path: Path) -> None:
     assert proc.stdout.strip().endswith("done")
     assert "recvValueWithTimeout" not in proc.stderr, proc.stderr[-3000:]
     assert "TCPStore" not in proc.stderr, proc.stderr[-3000:]
+
+
+def _abort_on_rank_1() -> None:
+    import collectives
+    pg = collectives.init_process_group()
+    if pg.rank == 1:
+        os.abort()  # as gloo's C++ terminate() does on some mismatched calls
+    pg.barrier()
+
+
+def test_a_rank_killed_by_sigabrt_is_named_with_the_way_out() -> None:
+    """A rank that aborts inside gloo: the parent's error says which signal, and how to
+    have a mismatch named."""
+    import collectives
+    with pytest.raises(collectives.SpawnError) as info:
+        collectives.spawn(_abort_on_rank_1, 2, backend="gloo", timeout=20)
+    text = str(info.value)
+    assert "killed by signal 6 (SIGABRT)" in text, text
+    assert "COLLECTIVES_DEBUG=1" in text, text
+
+
+def test_describe_exit() -> None:
+    from collectives.spawn import describe_exit
+    assert describe_exit(3) == "exited with code 3"
+    assert describe_exit(-9, "gloo") == "was killed by signal 9 (SIGKILL)"
+    assert "COLLECTIVES_DEBUG=1" in describe_exit(-6, "mpi")
+    assert describe_exit(-6, "shm") == "was killed by signal 6 (SIGABRT)"

@@ -28,10 +28,11 @@ from collectives.environment import env_number
 from collectives.errors import CollectiveError, CollectiveTimeout, PeerError
 from collectives.group import ProcessGroup
 from collectives.shm_names import segment_name
+from collectives.thresholds import SizeThreshold
 from collectives.work import Work
 
 from . import segment as sg
-from .channels import Engine, SendOp
+from .channels import HEADER_BYTES, Engine, SendOp
 from .futex import Doorbells, wait_mode
 from .ops import CollectiveOps, dtype_code, dtype_name
 from .reduce import ReduceOps
@@ -164,6 +165,22 @@ class ShmGroup(ReduceOps, CollectiveOps, ProcessGroup):
     @property
     def chunk_bytes(self) -> int:
         return self._S
+
+    def size_thresholds(self) -> tuple[SizeThreshold, ...]:
+        """shm's own lines: the one-phase reduce, a message's split into slots of S bytes
+        (S/n per rank where every rank's part of one input shares a slot), and a point to
+        point message that wraps around its ring."""
+        S, n = self._S, self.size
+        return (
+            SizeThreshold("shm.reduce.SMALL_REDUCE_BYTES", self._small_limit,
+                          ("all_reduce", "reduce")),
+            SizeThreshold("shm.slot (COLLECTIVES_SHM_CHUNK_BYTES)", S,
+                          ("broadcast", "all_reduce", "reduce", "all_gather", "gather")),
+            SizeThreshold("shm.slot / size", S // n, ("scatter", "reduce_scatter",
+                                                      "all_to_all")),
+            SizeThreshold("shm.ring (COLLECTIVES_SHM_RING_BYTES)",
+                          self._layout.ring - HEADER_BYTES, ("send",)),
+        )
 
     # ------------------------------------------------------------------ waits
     def _check_peer(self, r: int, what: str, seq: int, *, fatal_states=(sg.STATE_FAILED,

@@ -13,9 +13,11 @@ import numpy as np
 from collectives.algorithms.links import Links
 from collectives.group import ProcessGroup
 from collectives.reduce_op import ReduceOp
+from collectives.thresholds import SizeThreshold
 from collectives.work import Work
 
 from . import auth, native, wire
+from .connect import ZERO_COPY_MIN
 from .engine import Call, Engine
 
 
@@ -124,6 +126,21 @@ class ZmqGroup(ProcessGroup):
             ok = True
         finally:
             self._engine.end(call, ok)
+
+    def size_thresholds(self) -> tuple[SizeThreshold, ...]:
+        """zmq's own lines: its native collectives' switches (``backends.zeromq.native``),
+        and the framing of every message (inline up to ``INLINE_MAX``, zero-copy frames
+        from ``ZERO_COPY_MIN``, several frames beyond ``FRAME_MAX``)."""
+        moving = ("send", "broadcast", "all_gather", "gather", "scatter", "all_to_all")
+        return (
+            SizeThreshold("zmq.native.ALL_REDUCE_DIRECT_BYTES", native.ALL_REDUCE_DIRECT_BYTES,
+                          ("all_reduce",), max_ranks=native.DIRECT_MAX_RANKS),
+            SizeThreshold("zmq.native.ROOTED_SPLIT_BYTES", native.ROOTED_SPLIT_BYTES,
+                          ("broadcast", "reduce"), min_ranks=3),
+            SizeThreshold("zmq.wire.INLINE_MAX", wire.INLINE_MAX, moving),
+            SizeThreshold("zmq.connect.ZERO_COPY_MIN", ZERO_COPY_MIN, moving),
+            SizeThreshold("zmq.wire.FRAME_MAX", wire.FRAME_MAX, moving),
+        )
 
     def _barrier(self, seq: int) -> None:
         self._collective("barrier", seq, native.barrier, dtype=np.dtype(np.uint8), count=0)

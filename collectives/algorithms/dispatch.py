@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..reduce_op import ReduceOp, finish
+from ..thresholds import SizeThreshold
 from . import dissemination, pairwise, recursive_doubling, ring, tree, two_phase
 from .links import Links
 
@@ -38,6 +39,15 @@ ALL_REDUCE_RING_BYTES = 64 * 1024
 BROADCAST_LARGE_BYTES = 512 * 1024
 #: reduce switches from the binomial tree to reduce-scatter + gather at this many bytes.
 REDUCE_LARGE_BYTES = 512 * 1024
+
+#: The lines above, for the conformance suite (see ``collectives.thresholds``).
+THRESHOLDS: tuple[SizeThreshold, ...] = (
+    SizeThreshold("algorithms.ALL_REDUCE_RING_BYTES", ALL_REDUCE_RING_BYTES, ("all_reduce",)),
+    SizeThreshold("algorithms.BROADCAST_LARGE_BYTES", BROADCAST_LARGE_BYTES, ("broadcast",),
+                  min_ranks=3),
+    SizeThreshold("algorithms.REDUCE_LARGE_BYTES", REDUCE_LARGE_BYTES, ("reduce",),
+                  min_ranks=3),
+)
 
 
 def _split_pays(links: Links, a: np.ndarray, threshold: int) -> bool:

@@ -10,6 +10,7 @@ arrays. :func:`compare` judges all ranks' results against the reference.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -97,6 +98,8 @@ def run_case(group: Any, case: CollectiveCase) -> CaseResult:
     out = None if shape is None else _Tensor(
         np.full(shape, SENTINEL).astype(numpy_dtype(case.dtype)), case)
 
+    if case.delay is not None and case.delay[0] == rank:
+        time.sleep(case.delay[1])  # skewed arrival: the others wait for this rank
     work = _call(group, case, inp, out)
     result = CaseResult(rank)
     if work is not None:

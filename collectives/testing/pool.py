@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
 from ..errors import CollectiveError
 from ..shm_names import remove_job_segments
-from ..spawn import _die_with_parent, _Job, free_port
+from ..spawn import _die_with_parent, _Job, describe_exit, free_port
 from .execution import CaseResult, compare, run_case
 from .strategies import DTYPES, OPS, CollectiveCase, collective_cases
 
@@ -205,7 +205,7 @@ class _SpawnedWorld:
         code = p.exitcode
         if code is None:
             return "still running"
-        return f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        return describe_exit(code, os.environ.get("COLLECTIVES_BACKEND"))
 
     def alive(self) -> list[int]:
         return [p.pid for p in self.procs if p.is_alive()]

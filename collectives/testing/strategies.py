@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 
 from ..buffers import SUPPORTED_DTYPES
 from ..reduce_op import ReduceOp
+from ..thresholds import SizeThreshold, boundary_sizes
 from . import reference
 
 #: Every operation of the contract, by method name.
@@ -79,6 +80,8 @@ class CollectiveCase:
     seed: int = 0
     splits: Optional[tuple[tuple[int, ...], ...]] = None
     async_op: bool = False
+    #: ``(rank, seconds)``: that rank sleeps so long before the call (skewed arrival).
+    delay: Optional[tuple[int, float]] = None
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
@@ -215,7 +218,27 @@ def tolerance(case: CollectiveCase) -> Optional[float]:
 
 
 # --------------------------------------------------------------------------- strategies
-def _shapes(op: str, world_size: int) -> st.SearchStrategy[tuple[int, ...]]:
+#: The largest contribution the size draws make: past zmq's 4 MiB frame, shm's 1 MiB slot.
+LARGE_BYTES = (4 << 20) + (64 << 10)
+
+
+def shape_of(count: int, ndim: int) -> tuple[int, ...]:
+    """A shape of ``ndim`` (1..4) dimensions holding exactly ``count`` elements: small
+    factors of ``count`` lead, the rest is the last dimension.
+
+    >>> shape_of(24, 3), shape_of(7, 2)
+    ((2, 2, 6), (1, 7))
+    """
+    dims, rest = [], count
+    for _ in range(ndim - 1):
+        f = next((f for f in (2, 3, 4, 5, 8) if rest % f == 0 and rest > f), 1)
+        dims.append(f)
+        rest //= f
+    return (*dims, rest)
+
+
+def _shapes(op: str, world_size: int, itemsize: int = 4,
+            thresholds: Sequence[SizeThreshold] = ()) -> st.SearchStrategy[tuple[int, ...]]:
     dims = st.sampled_from([0, 1, 2, 3, 5, 7])
     small = st.integers(1 if op == "all_to_all" else 0, 3).flatmap(
         lambda ndim: st.tuples(*[dims] * ndim))
@@ -223,7 +246,18 @@ def _shapes(op: str, world_size: int) -> st.SearchStrategy[tuple[int, ...]]:
     long = st.integers(100, 1500).map(lambda n: (n | 1,))
     if op in ("all_gather", "gather", "scatter", "reduce_scatter", "all_to_all"):
         long = long.map(lambda s: (max(1, s[0] // world_size),))
-    return st.one_of(small, small, small, long)
+    ndims = st.integers(1, 4)
+    # 1-D to 4-D tensors from 1 KiB to past every threshold, rarer as they grow
+    sized = st.tuples(st.integers(10, LARGE_BYTES.bit_length() - 1), st.integers(0, 1023),
+                      ndims).map(lambda t: shape_of(
+                          max(1, ((1 << t[0]) + (t[1] << max(0, t[0] - 10))) // itemsize),
+                          t[2]))
+    branches = [small] * 6 + [long] * 2 + [sized] * 2
+    near = [(t, k) for t in thresholds if t.applies(op, world_size) for k in range(3)]
+    if near:  # just below, at and just above one of the implementation's lines
+        branches += [st.tuples(st.sampled_from(near), ndims).map(
+            lambda p: shape_of(boundary_sizes(p[0][0], itemsize)[p[0][1]], p[1]))] * 2
+    return st.one_of(*branches)
 
 
 def _reduce_ops(dtype: str) -> list[str]:
@@ -234,12 +268,19 @@ def _reduce_ops(dtype: str) -> list[str]:
 def collective_cases(world_size: int, ops: Sequence[str] = OPS, dtypes: Sequence[str] = DTYPES,
                      *, kinds: Optional[Sequence[str]] = None,
                      layouts: Sequence[str] = LAYOUTS,
-                     async_op: Optional[bool] = None) -> st.SearchStrategy[CollectiveCase]:
+                     async_op: Optional[bool] = None,
+                     thresholds: Sequence[SizeThreshold] = (),
+                     skew: bool = False) -> st.SearchStrategy[CollectiveCase]:
     """A :class:`CollectiveCase` for a world of ``world_size``: any of ``ops`` and
     ``dtypes`` (bool is drawn only for ops that do not reduce), a reduction valid for the
-    dtype, any root, empty, odd and 0-d shapes, contiguous or strided tensors of any of
-    ``kinds`` (default numpy, plus torch where it is installed), blocking or
+    dtype, any root, empty, odd and 0-d shapes, 1-D to 4-D tensors up to
+    :data:`LARGE_BYTES` (most examples stay small), contiguous or strided tensors of any
+    of ``kinds`` (default numpy, plus torch where it is installed), blocking or
     ``async_op=True`` (unless ``async_op`` is fixed).
+
+    ``thresholds`` (a group's :meth:`~collectives.ProcessGroup.size_thresholds`) adds
+    sizes just below, at and just above each line; ``skew=True`` has a drawn rank sleep
+    a drawn 0-2 s before the call (longer than every internal watch or poll interval).
 
     >>> from hypothesis import given
     >>> @given(collective_cases(2, ops=["all_reduce"]))
@@ -258,21 +299,25 @@ def collective_cases(world_size: int, ops: Sequence[str] = OPS, dtypes: Sequence
     if kinds is None:
         kinds = KINDS if importlib.util.find_spec("torch") is not None else ("numpy",)
     return _cases(world_size, tuple(usable), tuple(dtypes), tuple(kinds), tuple(layouts),
-                  async_op)
+                  async_op, tuple(thresholds), skew)
 
 
 @st.composite
 def _cases(draw: st.DrawFn, world_size: int, ops: tuple[str, ...], dtypes: tuple[str, ...],
            kinds: tuple[str, ...], layouts: tuple[str, ...],
-           async_op: Optional[bool]) -> CollectiveCase:
+           async_op: Optional[bool], thresholds: tuple[SizeThreshold, ...] = (),
+           skew: bool = False) -> CollectiveCase:
     op = draw(st.sampled_from(ops))
+    delay = (draw(st.integers(0, world_size - 1)),
+             draw(st.floats(0.0, 2.0, allow_nan=False))) if skew else None
     if op == "barrier":
-        return CollectiveCase("barrier", seed=0, async_op=draw(_async(async_op)))
+        return CollectiveCase("barrier", seed=0, async_op=draw(_async(async_op)),
+                              delay=delay)
     dtype = draw(st.sampled_from([d for d in dtypes
                                   if not (op in REDUCING_OPS and d == "bool")]))
     reduce_op = draw(st.sampled_from(_reduce_ops(dtype))) if op in REDUCING_OPS else None
     root = draw(st.integers(0, world_size - 1)) if op in ROOT_ARG else None
-    shape = draw(_shapes(op, world_size))
+    shape = draw(_shapes(op, world_size, numpy_dtype(dtype).itemsize, thresholds))
     splits = None
     if op == "all_to_all" and draw(st.booleans()):
         row = st.integers(0, 3)
@@ -280,7 +325,8 @@ def _cases(draw: st.DrawFn, world_size: int, ops: tuple[str, ...], dtypes: tuple
     return CollectiveCase(
         op=op, shape=shape, dtype=dtype, reduce_op=reduce_op, root=root,
         layout=draw(st.sampled_from(layouts)), kind=draw(st.sampled_from(kinds)),
-        seed=draw(st.integers(0, 2**32 - 1)), splits=splits, async_op=draw(_async(async_op)))
+        seed=draw(st.integers(0, 2**32 - 1)), splits=splits, async_op=draw(_async(async_op)),
+        delay=delay)
 
 
 def _async(fixed: Optional[bool]) -> st.SearchStrategy[bool]:
