@@ -1,0 +1,92 @@
+"""The public point-to-point calls (mixed into :class:`~collectives.group.ProcessGroup`):
+``send``, ``recv``, ``isend``, ``irecv`` over the backend's ``_isend``/``_irecv`` hooks.
+
+Point to point is not numbered (it is matched by peer and tag, not by order across the
+group); each call still goes into the flight record.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from .buffers import HostBuffer
+from .running import _RecordedWork
+from .work import Work
+
+Tensor = Any  # torch.Tensor or numpy.ndarray
+
+
+class PointToPointCalls:
+    """``isend``/``irecv``/``send``/``recv``; the checks and hooks come from the group."""
+
+    def isend(self, tensor: Tensor, dst: int, tag: int = 0) -> Work:
+        """Start sending ``tensor`` to ``dst``; the returned Work completes when the
+        buffer may be reused.
+
+        Rank 0: ``pg.isend(t, dst=1).wait()``; rank 1: ``pg.recv(t, src=0)``.
+        """
+        return self._start_send("isend", tensor, dst, tag)
+
+    def _start_send(self, op: str, tensor: Tensor, dst: Any, tag: Any) -> Work:
+        w = self._where(op)
+        self._check_tensor(tensor, "tensor", w)
+        dst = self._check_rank(dst, "dst", w, allow_self=False)
+        tag = self._check_tag(tag, w)
+        buf = self._to_host(tensor, where=w, arg="tensor", write=False)
+        return self._post_p2p(op, lambda: self._isend(buf.array, dst, tag), buf, dst)
+
+    def irecv(self, tensor: Tensor, src: int, tag: int = 0) -> Work:
+        """Start receiving into ``tensor`` from ``src``; wait on the Work before use.
+
+        Rank 0: ``pg.send(t, dst=1)``; rank 1: ``w = pg.irecv(t, src=0); w.wait()``.
+        """
+        return self._start_recv("irecv", tensor, src, tag)
+
+    def _start_recv(self, op: str, tensor: Tensor, src: Any, tag: Any) -> Work:
+        w = self._where(op)
+        self._check_tensor(tensor, "tensor", w)
+        src = self._check_rank(src, "src", w, allow_self=False)
+        tag = self._check_tag(tag, w)
+        buf = self._to_host(tensor, where=w, arg="tensor", write=True)
+        return self._post_p2p(op, lambda: self._irecv(buf.array, src, tag), buf, src)
+
+    def _post_p2p(self, op: str, post: Callable[[], Work], buf: HostBuffer, peer: int) -> Work:
+        """Post a send or receive; the Work writes a staged receive back and keeps the
+        flight record."""
+        rec = None if self._recorder is None else self._recorder.start(
+            -1, op, buf.array.shape, buf.array.dtype, -1, None, peer)
+        try:
+            work = post()
+        except BaseException as exc:
+            self._record_failure(rec, exc)
+            raise
+        if buf.writeback is not None:
+            work = _CommitOnWait(work, buf)
+        return work if rec is None else _RecordedWork(work, self, rec)
+
+    def send(self, tensor: Tensor, dst: int, tag: int = 0) -> None:
+        """Send ``tensor`` to ``dst`` and return when its buffer may be reused.
+
+        Rank 0: ``pg.send(t, dst=1)``; rank 1: ``pg.recv(t, src=0)``.
+        """
+        self._start_send("send", tensor, dst, tag).wait()
+
+    def recv(self, tensor: Tensor, src: int, tag: int = 0) -> None:
+        """Receive into ``tensor`` (same shape and dtype as the sender's) from ``src``."""
+        self._start_recv("recv", tensor, src, tag).wait()
+
+
+class _CommitOnWait(Work):
+    """An irecv into a staged buffer: copy into the caller's tensor after the wait."""
+
+    def __init__(self, inner: Work, buf: HostBuffer) -> None:
+        self._inner, self._buf = inner, buf
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        self._inner.wait(timeout)
+        if self._buf is not None:
+            buf, self._buf = self._buf, None
+            buf.commit()
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
