@@ -429,6 +429,7 @@ class MpiGroup(ProcessGroup):
     """
 
     backend = "mpi"
+    hooks_return_work = True  # every hook starts MPI's non-blocking call (MPI_I...)
 
     def __init__(self, comm: Any, *, timeout: float, where: str) -> None:
         super().__init__(comm.Get_rank(), comm.Get_size(), timeout=timeout)
@@ -445,13 +446,6 @@ class MpiGroup(ProcessGroup):
         #: Internal tags fold into [0, 2**bits), below the reserved tags at the top.
         self._tag_bits = (self._tag_ub + 1 - _RESERVED_TAGS).bit_length() - 1
         self._diag_tags = [self._tag_ub - k for k in range(_RESERVED_TAGS)]
-        #: What the hook of the public call being run issued: MPI's request, what to do
-        #: once it completed, the arrays it uses (collectives are issued by one thread at
-        #: a time, since every rank must issue them in the same order).
-        self._issuing = False
-        self._issued: Optional[tuple] = None
-        self._inflight: dict = {}
-        self._inflight_lock = threading.Lock()
         self._answers: list = []
         self._diag_lock = threading.Lock()
         _OPEN_GROUPS.add(self)
@@ -485,57 +479,11 @@ class MpiGroup(ProcessGroup):
     def _closed_error(self, op: str) -> CollectiveError:
         return CollectiveError(f"{self._where(op)}: the group is closed")
 
-    def _issue(self, request: Any, then: Optional[Callable[[], None]] = None,
-               keep: Any = None, op: str = "collective", seq: int = -1) -> None:
-        """Hand MPI's ``request`` (and what to do after it) to the running call; every
-        hook issues exactly one request."""
-        if not self._issuing:  # a hook called on its own (p2p:mpi's barrier): finish now
-            MpiWork(self, op, seq, [request], then, (), keep).wait()
-            return
-        self._issued = (request, then, keep)
-
-    def _run(self, op: str, seq: int, fn: Callable[[], None], buffers: Sequence[HostBuffer],
-             async_op: bool) -> Optional[Work]:
-        """Start the op in MPI (non-blocking) and wrap its request, or, for a blocking
-        call, poll the request right here (no Work object on the fast path)."""
-        if self._comm is None:
-            raise self._closed_error(op)
-        self._issuing = True
-        try:
-            fn()
-            request, then, keep = self._issued
-        except MPI.Exception as exc:
-            raise self._translate(exc, op, seq) from exc
-        finally:
-            self._issuing, self._issued = False, None
-        if async_op:
-            work = MpiWork(self, op, seq, [request], then, buffers, keep)
-            self._track(work)
-            return work
-        try:
-            done = _poll(request.Test, self.timeout)
-        except MPI.Exception as exc:
-            raise self._translate(exc, op, seq) from exc
-        if not done:
-            self._keep_alive(MpiWork(self, op, seq, [request], then, buffers, keep))
-            raise self._timeout_error(op, seq, -1, self.timeout, explicit=False)
-        if then is not None:
-            then()
-        for b in buffers:
-            b.commit()
-        return None
-
-    def _track(self, work: MpiWork) -> None:
-        with self._inflight_lock:
-            self._inflight[work] = None
-            crowded = len(self._inflight) > _TRACK_LIMIT
-        if crowded:  # works nobody waits for: finish the completed ones
-            for w in list(self._inflight):
-                w.is_completed()
-
-    def _untrack(self, work: MpiWork) -> None:
-        with self._inflight_lock:
-            self._inflight.pop(work, None)
+    def _issue(self, request: Any, op: str, seq: int,
+               then: Optional[Callable[[], None]] = None, keep: Any = None) -> MpiWork:
+        """The Work of a collective hook: MPI's ``request``, what to do once it completed
+        (AVG's division), and the arrays MPI uses until then (see collectives.hooks)."""
+        return MpiWork(self, op, seq, [request], then, (), keep)
 
     def _keep_alive(self, work: MpiWork) -> None:
         """A wait timed out: MPI may still use the work's arrays, keep them referenced."""
@@ -674,8 +622,8 @@ class MpiGroup(ProcessGroup):
         """None of ours: every collective is the library's own, which picks its algorithms."""
         return ()
 
-    def _barrier(self, seq: int) -> None:
-        self._issue(self._comm.Ibarrier(), op="barrier", seq=seq)
+    def _barrier(self, seq: int) -> MpiWork:
+        return self._issue(self._comm.Ibarrier(), "barrier", seq)
 
     # ----------------------------------------------------------------- collectives
     def _avg(self, a: np.ndarray, op: ReduceOp) -> Optional[Callable[[], None]]:
@@ -684,41 +632,45 @@ class MpiGroup(ProcessGroup):
         size = self.size
         return lambda: finish(op, a, size)
 
-    def _broadcast(self, a: np.ndarray, src: int, seq: int) -> None:
-        self._issue(self._comm.Ibcast(_bytes(a), root=src), keep=a)
+    def _broadcast(self, a: np.ndarray, src: int, seq: int) -> MpiWork:
+        return self._issue(self._comm.Ibcast(_bytes(a), root=src), "broadcast", seq, keep=a)
 
-    def _all_reduce(self, a: np.ndarray, op: ReduceOp, seq: int) -> None:
+    def _all_reduce(self, a: np.ndarray, op: ReduceOp, seq: int) -> MpiWork:
         buf, mop = _reduction(a, op)
-        self._issue(self._comm.Iallreduce(MPI.IN_PLACE, buf, mop),
-                    self._avg(a, op) if op is ReduceOp.AVG else None, keep=a)
+        return self._issue(self._comm.Iallreduce(MPI.IN_PLACE, buf, mop), "all_reduce", seq,
+                           self._avg(a, op) if op is ReduceOp.AVG else None, keep=a)
 
-    def _reduce(self, a: np.ndarray, dst: int, op: ReduceOp, seq: int) -> None:
+    def _reduce(self, a: np.ndarray, dst: int, op: ReduceOp, seq: int) -> MpiWork:
         buf, mop = _reduction(a, op)
         if self.rank == dst:
             request = self._comm.Ireduce(MPI.IN_PLACE, buf, mop, root=dst)
-            self._issue(request, self._avg(a, op), keep=a)
+            return self._issue(request, "reduce", seq, self._avg(a, op), keep=a)
         else:  # MPI only reads a non-root's send buffer: the tensor stays unchanged
-            self._issue(self._comm.Ireduce(buf, None, mop, root=dst), keep=a)
+            return self._issue(self._comm.Ireduce(buf, None, mop, root=dst), "reduce", seq,
+                               keep=a)
 
-    def _all_gather(self, out: np.ndarray, inp: np.ndarray, seq: int) -> None:
-        self._issue(self._comm.Iallgather(_bytes(inp), _bytes(out)), keep=(out, inp))
+    def _all_gather(self, out: np.ndarray, inp: np.ndarray, seq: int) -> MpiWork:
+        return self._issue(self._comm.Iallgather(_bytes(inp), _bytes(out)), "all_gather", seq,
+                           keep=(out, inp))
 
-    def _gather(self, inp: np.ndarray, out: Optional[np.ndarray], dst: int, seq: int) -> None:
+    def _gather(self, inp: np.ndarray, out: Optional[np.ndarray], dst: int, seq: int) -> MpiWork:
         recv = _bytes(out) if self.rank == dst else None
-        self._issue(self._comm.Igather(_bytes(inp), recv, root=dst), keep=(out, inp))
+        return self._issue(self._comm.Igather(_bytes(inp), recv, root=dst), "gather", seq,
+                           keep=(out, inp))
 
-    def _scatter(self, out: np.ndarray, inp: Optional[np.ndarray], src: int, seq: int) -> None:
+    def _scatter(self, out: np.ndarray, inp: Optional[np.ndarray], src: int, seq: int) -> MpiWork:
         send = _bytes(inp) if self.rank == src else None
-        self._issue(self._comm.Iscatter(send, _bytes(out), root=src), keep=(out, inp))
+        return self._issue(self._comm.Iscatter(send, _bytes(out), root=src), "scatter", seq,
+                           keep=(out, inp))
 
-    def _reduce_scatter(self, out: np.ndarray, inp: np.ndarray, op: ReduceOp, seq: int) -> None:
+    def _reduce_scatter(self, out: np.ndarray, inp: np.ndarray, op: ReduceOp, seq: int) -> MpiWork:
         send, mop = _reduction(inp, op)
         recv, _ = _reduction(out, op)
-        self._issue(self._comm.Ireduce_scatter_block(send, recv, mop), self._avg(out, op),
-                    keep=(out, inp))
+        return self._issue(self._comm.Ireduce_scatter_block(send, recv, mop),
+                           "reduce_scatter", seq, self._avg(out, op), keep=(out, inp))
 
     def _all_to_all(self, out: np.ndarray, inp: np.ndarray, out_counts: Sequence[int],
-                    in_counts: Sequence[int], seq: int) -> None:
+                    in_counts: Sequence[int], seq: int) -> MpiWork:
         # Always Ialltoallv, never Ialltoall for counts that happen to be equal: a rank
         # sees only its own counts, and MPI requires every rank to call the same
         # collective. A rank whose split sizes were all 0 called Ialltoall while the others
@@ -731,7 +683,7 @@ class MpiGroup(ProcessGroup):
         request = self._comm.Ialltoallv(
             [i, (send_counts, _displacements(send_counts)), MPI.BYTE],
             [o, (recv_counts, _displacements(recv_counts)), MPI.BYTE])
-        self._issue(request, keep=(out, inp))
+        return self._issue(request, "all_to_all", seq, keep=(out, inp))
 
     # ----------------------------------------------------------------- sub-groups
     def _new_group(self, ranks: tuple[int, ...], instance: int) -> "MpiGroup":

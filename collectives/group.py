@@ -31,9 +31,9 @@ from . import algorithms, call_check, flight
 from .buffers import HostBuffer, to_host
 from .collective_calls import CollectiveCalls
 from .objects import ObjectCalls
-from .point_to_point import PointToPointCalls, _CommitOnWait  # noqa: F401 - re-exported
+from .point_to_point import PointToPointCalls
 from .reduce_op import ReduceOp
-from .running import CallRunner, _RecordedWork  # noqa: F401 - re-exported
+from .running import CallRunner, _CommitOnWait, _RecordedWork  # noqa: F401 - re-exported
 from .thresholds import SizeThreshold
 from .validation import MAX_USER_TAG, ArgumentChecks
 from .work import Work
@@ -97,6 +97,8 @@ class ProcessGroup(PointToPointCalls, CollectiveCalls, ObjectCalls, CallRunner,
         self._pending_lock = threading.Lock()
         self._subgroup_counts: dict[tuple[int, ...], int] = {}
         self._where_text: dict[str, str] = {}
+        self._inflight: dict = {}  # Works started and not yet waited for (_track)
+        self._inflight_lock = threading.Lock()
         # COLLECTIVES_DEBUG=1: every collective first checks that all ranks make the same
         # call (collectives.call_check); the flight recorder keeps the last calls for
         # `python -m collectives.doctor` (collectives.flight).

@@ -30,7 +30,9 @@ class P2POnlyGroup(ProcessGroup):
         return self._inner._irecv(array, src, tag)
 
     def _barrier(self, seq: int) -> None:
-        self._inner._barrier(seq)
+        work = self._inner._barrier(seq)  # a Work where the inner's hooks return one
+        if work is not None:
+            work.wait()
 
     def _close(self) -> None:
         self._inner.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from .buffers import HostBuffer
-from .running import _RecordedWork
+from .running import _CommitOnWait, _RecordedWork
 from .work import Work
 
 Tensor = Any  # torch.Tensor or numpy.ndarray
@@ -74,19 +74,3 @@ class PointToPointCalls:
     def recv(self, tensor: Tensor, src: int, tag: int = 0) -> None:
         """Receive into ``tensor`` (same shape and dtype as the sender's) from ``src``."""
         self._start_recv("recv", tensor, src, tag).wait()
-
-
-class _CommitOnWait(Work):
-    """An irecv into a staged buffer: copy into the caller's tensor after the wait."""
-
-    def __init__(self, inner: Work, buf: HostBuffer) -> None:
-        self._inner, self._buf = inner, buf
-
-    def wait(self, timeout: Optional[float] = None) -> None:
-        self._inner.wait(timeout)
-        if self._buf is not None:
-            buf, self._buf = self._buf, None
-            buf.commit()
-
-    def is_completed(self) -> bool:
-        return self._inner.is_completed()

@@ -40,9 +40,22 @@ class CallRunner:
                 max_workers=1, thread_name_prefix=f"collectives-{self.backend}-r{self.rank}")
         return self._executor
 
-    def _run(self, op: str, seq: int, fn: Callable[[], None], buffers: Sequence[HostBuffer],
-             async_op: bool) -> Optional[Work]:
-        """Run ``fn`` now, or on the group's thread when ``async_op`` (in issue order)."""
+    #: Whether this backend's collective hooks only *start* their operation and return a
+    #: :class:`Work` for it (see :mod:`collectives.hooks`): MPI's and torch's non-blocking
+    #: calls. The base class then calls them on the calling thread, also for
+    #: ``async_op=True``, and waits on (or hands out) the Work they return.
+    hooks_return_work: bool = False
+    #: Works in flight that nobody has waited for yet, this many at most before the
+    #: completed ones are finished (their memory released).
+    TRACK_LIMIT = 64
+
+    def _run(self, op: str, seq: int, fn: Callable[[], Optional[Work]],
+             buffers: Sequence[HostBuffer], async_op: bool) -> Optional[Work]:
+        """Run ``fn`` (the hook) now, or on the group's thread when ``async_op`` (in issue
+        order); for a backend whose hooks return their Work, start it now and wait on it
+        or hand it out."""
+        if self.hooks_return_work:
+            return self._run_started(op, seq, fn, buffers, async_op)
         if not (async_op or self._pending):  # the hot path: nothing queued, run inline
             fn()
             for b in buffers:
@@ -66,6 +79,60 @@ class CallRunner:
             return work
         work.wait()  # an async op is still queued: keep the order every rank sees
         return None
+
+    def _run_started(self, op: str, seq: int, fn: Callable[[], Optional[Work]],
+                     buffers: Sequence[HostBuffer], async_op: bool) -> Optional[Work]:
+        self._before_start(async_op)
+        try:
+            work = fn()
+        except Exception as exc:  # the library's own error: ours, naming the call
+            error = self._translate(exc, op, seq)
+            if error is exc:
+                raise
+            raise error from exc
+        if work is None:  # done already (a world of one)
+            for b in buffers:
+                b.commit()
+            return None
+        if async_op:
+            self._track(work)
+            staged = [b for b in buffers if b.writeback is not None]
+            return _CommitOnWait(work, staged) if staged else work
+        work.wait()  # the group's timeout; the Work raises the backend's typed errors
+        for b in buffers:
+            b.commit()
+        return None
+
+    def _before_start(self, async_op: bool) -> None:
+        """Called before a hook of a ``hooks_return_work`` backend starts its operation
+        (the torch backends order it after the async ops in flight whose memory it
+        shares)."""
+
+    def _translate(self, exc: BaseException, op: str, seq: int,
+                   peer: int = -1) -> BaseException:
+        """This library's typed error for a transport library's exception ``exc`` raised
+        in ``op`` (``seq``; ``peer`` for point to point); ``exc`` itself when it already
+        is one, or when the backend has nothing better to say."""
+        return exc
+
+    # ------------------------------------------------------------ works in flight
+    def _track(self, work: Work) -> None:
+        """Hold ``work`` (started, not yet waited for) until it finishes, so that
+        ``close()`` can finish it and its memory outlives the library's use of it."""
+        with self._inflight_lock:
+            self._inflight[work] = None
+            crowded = len(self._inflight) > self.TRACK_LIMIT
+        if crowded:  # works nobody waits for: finish the completed ones
+            for w in list(self._inflight):
+                w.is_completed()
+
+    def _untrack(self, work: Work) -> None:
+        with self._inflight_lock:
+            self._inflight.pop(work, None)
+
+    def _in_flight(self) -> list:
+        with self._inflight_lock:
+            return list(self._inflight)
 
     def _dispatch_collective(
             self, op: str, fn: Callable[[int], None], buffers: Sequence[HostBuffer],
@@ -144,6 +211,25 @@ class _RecordedWork(Work):
             raise
         if self._rec[flight.END] is None:
             flight.Recorder.finish(self._rec)
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+
+class _CommitOnWait(Work):
+    """An operation into staged buffers: copy them into the caller's tensors after the
+    wait."""
+
+    def __init__(self, inner: Work, bufs: "HostBuffer | Sequence[HostBuffer]") -> None:
+        self._inner = inner
+        self._bufs: Optional[list] = [bufs] if isinstance(bufs, HostBuffer) else list(bufs)
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        self._inner.wait(timeout)
+        if self._bufs is not None:
+            bufs, self._bufs = self._bufs, None
+            for buf in bufs:
+                buf.commit()
 
     def is_completed(self) -> bool:
         return self._inner.is_completed()
