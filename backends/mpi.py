@@ -744,8 +744,7 @@ class MpiGroup(ProcessGroup):
     def _close(self) -> None:
         _OPEN_GROUPS.discard(self)
         deadline = time.monotonic() + self.timeout
-        with self._inflight_lock:
-            pending = list(self._inflight)
+        pending = self._in_flight()
         for w in pending:  # finish what is in flight (results land, errors are dropped)
             try:  # collectives get the timeout; point to point and works that timed out
                 left = max(deadline - time.monotonic(), 1e-3)  # already, a short grace

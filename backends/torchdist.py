@@ -318,17 +318,6 @@ class TorchWork(Work):
                 self._group._untrack(self)
 
 
-class _Launch:
-    """What the hooks of one public call started (collected by ``TorchGroup._run``)."""
-
-    __slots__ = ("works", "thens", "keep")
-
-    def __init__(self) -> None:
-        self.works: list = []
-        self.thens: list = []
-        self.keep: list = []
-
-
 # ----------------------------------------------------------------------------- groups
 class TorchGroup(ProcessGroup):
     """A ProcessGroup over a c10d ``ProcessGroupGloo`` (and base of :class:`NcclGroup`).
@@ -345,6 +334,7 @@ class TorchGroup(ProcessGroup):
     """
 
     backend = "gloo"
+    hooks_return_work = True  # every hook starts torch's asynchronous c10d call
     #: Use c10d's ``_reduce_scatter_base``; False (or a build without it) runs
     #: all_reduce of a copy and keeps this rank's slice. False on gloo: its
     #: ``_reduce_scatter_base`` (and list ``reduce_scatter``) work ignores
@@ -363,8 +353,6 @@ class TorchGroup(ProcessGroup):
         self._store = store.store
         self._prefix = prefix
         self._tls = threading.local()
-        self._inflight: dict[TorchWork, None] = {}
-        self._inflight_lock = threading.Lock()
         #: Group rank -> process id, for the ranks on this host (see `_dead_peers`).
         self._local_pids: dict[int, int] = self._exchange_pids()
         _OPEN_GROUPS.add(self)  # only now: a failed constructor's caller releases the store
@@ -445,9 +433,7 @@ class TorchGroup(ProcessGroup):
     def _wait_for_conflicts(self, spans: list) -> None:
         """Finish every async operation in flight whose memory overlaps ``spans`` (one of
         the two writing): the new operation then sees its results, as in issue order."""
-        with self._inflight_lock:
-            inflight = list(self._inflight)
-        for work in inflight:
+        for work in self._in_flight():
             if _conflict(work._spans, spans):
                 work._finish()  # its error, if any, stays with it for its own wait()
 
@@ -529,7 +515,7 @@ class TorchGroup(ProcessGroup):
 
     def _translate(self, exc: BaseException, op: str, seq: int, peer: int = -1) -> BaseException:
         """A typed error of this library for a torch/gloo/NCCL error of operation ``op``."""
-        if isinstance(exc, CollectiveError):
+        if isinstance(exc, CollectiveError) or not isinstance(exc, RuntimeError):
             return exc
         where = self._describe(op, seq)
         detail = _first_line(exc)
@@ -578,61 +564,26 @@ class TorchGroup(ProcessGroup):
             raise exc
         raise error from exc
 
-    def _issue(self, work: Any, then: Optional[Callable[[], None]] = None,
-               keep: Sequence[Any] = ()) -> None:
-        """Register torch's ``work`` (and what to do after it) with the running call."""
-        launch = getattr(self._tls, "launch", None)
-        if launch is None:  # a hook called on its own, outside a public method: finish now
-            TorchWork(self, "collective", -1, [work], [then] if then else [], (), keep).wait()
-            return
-        launch.works.append(work)
-        if then is not None:
-            launch.thens.append(then)
-        launch.keep.extend(keep)
+    def _issue(self, work: Any, op: str, seq: int,
+               then: Optional[Callable[[], None]] = None, keep: Sequence[Any] = ()) -> TorchWork:
+        """The Work of a collective hook: torch's ``work``, what to do once it finished
+        (AVG's division, int16's narrowing) and the tensors torch uses until then (see
+        collectives.hooks). It carries the memory spans ``_before_start`` noted, for the
+        ordering of later async ops."""
+        mine = TorchWork(self, op, seq, [work], [then] if then is not None else (), (), keep)
+        mine._spans = getattr(self._tls, "spans", None) or []
+        return mine
 
-    def _run(self, op: str, seq: int, fn: Callable[[], None], buffers: Sequence[HostBuffer],
-             async_op: bool) -> Optional[Work]:
-        """Start the op through torch (its own threads run it) and wrap torch's work."""
+    def _before_start(self, async_op: bool) -> None:
+        """Order the op after every async op in flight whose memory overlaps its
+        arguments (one of the two writing): torch runs ops concurrently on its threads,
+        so without this a later op could read what an earlier one has yet to write."""
         args = self._take_args()
-        spans = [_span(obj, write) for obj, write in args] if async_op or self._inflight \
-            else []
-        if self._inflight:
+        inflight = self._in_flight()
+        spans = [_span(obj, write) for obj, write in args] if async_op or inflight else []
+        if inflight:
             self._wait_for_conflicts(spans)
-        launch = _Launch()
-        self._tls.launch = launch
-        try:
-            fn()
-        except RuntimeError as exc:
-            self._reraise(exc, op, seq)
-        finally:
-            self._tls.launch = None
-        if not async_op:  # the common case, kept short: wait, finish, write back
-            try:
-                for w in launch.works:
-                    self._wait(w, op, seq)
-                for then in launch.thens:
-                    then()
-            except RuntimeError as exc:
-                self._reraise(exc, op, seq)
-            for b in buffers:
-                b.commit()
-            return None
-        work = TorchWork(self, op, seq, launch.works, launch.thens, buffers, launch.keep)
-        work._spans = spans
-        self._track(work)
-        return work
-
-    def _track(self, work: TorchWork) -> None:
-        with self._inflight_lock:
-            self._inflight[work] = None
-            crowded = len(self._inflight) > 64
-        if crowded:  # works nobody waits for: finish the completed ones
-            for w in list(self._inflight):
-                w.is_completed()
-
-    def _untrack(self, work: TorchWork) -> None:
-        with self._inflight_lock:
-            self._inflight.pop(work, None)
+        self._tls.spans = spans
 
     # -------------------------------------------------------------- point to point
     def _isend(self, array: np.ndarray, dst: int, tag: int) -> Work:
@@ -661,8 +612,8 @@ class TorchGroup(ProcessGroup):
         """None of ours: every collective is the library's own, which picks its algorithms."""
         return ()
 
-    def _barrier(self, seq: int) -> None:
-        self._issue(self._c10d("barrier").barrier(_BARRIER_OPTS))
+    def _barrier(self, seq: int) -> TorchWork:
+        return self._issue(self._c10d("barrier").barrier(_BARRIER_OPTS), "barrier", seq)
 
     # ------------------------------------------------------------------ collectives
     def _reducible(self, a: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -690,46 +641,50 @@ class TorchGroup(ProcessGroup):
 
         return then
 
-    def _broadcast(self, a: np.ndarray, src: int, seq: int) -> None:
+    def _broadcast(self, a: np.ndarray, src: int, seq: int) -> TorchWork:
         t = _bytes(_tensor(a))
         opts = _options(dist.BroadcastOptions, rootRank=src, rootTensor=0)
-        self._issue(self._c10d("broadcast").broadcast([t], opts), keep=[t])
+        return self._issue(self._c10d("broadcast").broadcast([t], opts), "broadcast", seq,
+                           keep=[t])
 
-    def _all_reduce(self, a: np.ndarray, op: ReduceOp, seq: int) -> None:
+    def _all_reduce(self, a: np.ndarray, op: ReduceOp, seq: int) -> TorchWork:
         t, r = self._reducible(a)
-        self._issue(self._c10d("all_reduce").allreduce([r], _ALLREDUCE_OPTS[op]),
-                    self._after_reduce(a, t, r, op), keep=[t, r])
+        return self._issue(self._c10d("all_reduce").allreduce([r], _ALLREDUCE_OPTS[op]),
+                           "all_reduce", seq, self._after_reduce(a, t, r, op), keep=[t, r])
 
-    def _reduce(self, a: np.ndarray, dst: int, op: ReduceOp, seq: int) -> None:
+    def _reduce(self, a: np.ndarray, dst: int, op: ReduceOp, seq: int) -> TorchWork:
         t, r = self._reducible(a)
         if self.rank != dst and r is t:
             r = t.clone()  # gloo uses the non-root inputs as scratch space
         opts = _options(dist.ReduceOptions, rootRank=dst, reduceOp=_C10D_OP[op])
         then = self._after_reduce(a, t, r, op) if self.rank == dst else None
-        self._issue(self._c10d("reduce").reduce([r], opts), then, keep=[t, r])
+        return self._issue(self._c10d("reduce").reduce([r], opts), "reduce", seq, then,
+                           keep=[t, r])
 
-    def _all_gather(self, out: np.ndarray, inp: np.ndarray, seq: int) -> None:
+    def _all_gather(self, out: np.ndarray, inp: np.ndarray, seq: int) -> TorchWork:
         o, i = _bytes(_tensor(out)), _bytes(_tensor(inp))
         pg = self._c10d("all_gather")
         if hasattr(pg, "_allgather_base"):
             w = pg._allgather_base(o, i)
         else:
             w = pg.allgather([_parts(o, self.size)], [i])
-        self._issue(w, keep=[o, i])
+        return self._issue(w, "all_gather", seq, keep=[o, i])
 
-    def _gather(self, inp: np.ndarray, out: Optional[np.ndarray], dst: int, seq: int) -> None:
+    def _gather(self, inp: np.ndarray, out: Optional[np.ndarray], dst: int, seq: int) -> TorchWork:
         i = _bytes(_tensor(inp))
         parts = [] if out is None else [_parts(_bytes(_tensor(out)), self.size)]
         opts = _options(dist.GatherOptions, rootRank=dst)
-        self._issue(self._c10d("gather").gather(parts, [i], opts), keep=[i, parts])
+        return self._issue(self._c10d("gather").gather(parts, [i], opts), "gather", seq,
+                           keep=[i, parts])
 
-    def _scatter(self, out: np.ndarray, inp: Optional[np.ndarray], src: int, seq: int) -> None:
+    def _scatter(self, out: np.ndarray, inp: Optional[np.ndarray], src: int, seq: int) -> TorchWork:
         o = _bytes(_tensor(out))
         parts = [] if inp is None else [_parts(_bytes(_tensor(inp)), self.size)]
         opts = _options(dist.ScatterOptions, rootRank=src)
-        self._issue(self._c10d("scatter").scatter([o], parts, opts), keep=[o, parts])
+        return self._issue(self._c10d("scatter").scatter([o], parts, opts), "scatter", seq,
+                           keep=[o, parts])
 
-    def _reduce_scatter(self, out: np.ndarray, inp: np.ndarray, op: ReduceOp, seq: int) -> None:
+    def _reduce_scatter(self, out: np.ndarray, inp: np.ndarray, op: ReduceOp, seq: int) -> TorchWork:
         o, ro = self._reducible(out)
         i = _tensor(inp)
         ri = i if ro is o else i.to(ro.dtype)
@@ -743,8 +698,8 @@ class TorchGroup(ProcessGroup):
                 # Raised on every rank, before any communication: switch for good.
                 self._native_reduce_scatter = False
             else:
-                self._issue(w, self._after_reduce(out, o, ro, op), keep=[o, ro, i, ri])
-                return
+                return self._issue(w, "reduce_scatter", seq, self._after_reduce(out, o, ro, op),
+                                   keep=[o, ro, i, ri])
         # all_reduce of a private copy, then keep this rank's slice: the same values as
         # the native reduce-scatter on every rank.
         full = ri.clone() if ri is i else ri
@@ -757,10 +712,11 @@ class TorchGroup(ProcessGroup):
             if avg is not None:
                 avg()
 
-        self._issue(pg.allreduce([full], _ALLREDUCE_OPTS[op]), then, keep=[o, i, full])
+        return self._issue(pg.allreduce([full], _ALLREDUCE_OPTS[op]), "reduce_scatter", seq,
+                           then, keep=[o, i, full])
 
     def _all_to_all(self, out: np.ndarray, inp: np.ndarray, out_counts: Sequence[int],
-                    in_counts: Sequence[int], seq: int) -> None:
+                    in_counts: Sequence[int], seq: int) -> TorchWork:
         o, i = _tensor(out), _tensor(inp)
         k = o.element_size()
         ob, ib = _bytes(o), _bytes(i)
@@ -769,15 +725,14 @@ class TorchGroup(ProcessGroup):
         in_splits = [] if equal else [c * k for c in in_counts]
         w = self._c10d("all_to_all").alltoall_base(ob, ib, out_splits, in_splits,
                                                     _ALLTOALL_OPTS)
-        self._issue(w, keep=[ob, ib])
+        return self._issue(w, "all_to_all", seq, keep=[ob, ib])
 
     # --------------------------------------------------------------------- lifetime
     def _close(self) -> None:
         _OPEN_GROUPS.discard(self)
         deadline = time.monotonic() + self.timeout
         while True:  # finish what is still in flight (results land, errors are dropped)
-            with self._inflight_lock:
-                pending = list(self._inflight)
+            pending = self._in_flight()
             if not pending:
                 break
             for w in pending:
@@ -872,10 +827,10 @@ class NcclGroup(TorchGroup):
 
         return HostBuffer(staged, writeback if write else None)
 
-    def _barrier(self, seq: int) -> None:
+    def _barrier(self, seq: int) -> TorchWork:
         t = torch.zeros(1, device=self.device)
-        self._issue(self._c10d("barrier").allreduce([t], _ALLREDUCE_OPTS[ReduceOp.SUM]),
-                    keep=[t])
+        return self._issue(self._c10d("barrier").allreduce([t], _ALLREDUCE_OPTS[ReduceOp.SUM]),
+                           "barrier", seq, keep=[t])
 
 
 # --------------------------------------------------------------------------- factories

@@ -232,4 +232,10 @@ class _CommitOnWait(Work):
                 buf.commit()
 
     def is_completed(self) -> bool:
-        return self._inner.is_completed()
+        if not self._inner.is_completed():
+            return False
+        if self._bufs is not None:  # the results are there: the caller may read them now
+            bufs, self._bufs = self._bufs, None
+            for buf in bufs:
+                buf.commit()
+        return True
