@@ -97,7 +97,7 @@ returns a :class:`MpiWork` around MPI's request (native non-blocking collectives
 base class's thread). MPI is initialised when the first group is created (importing this
 module does not), by mpi4py with ``MPI_THREAD_MULTIPLE`` (mpi4py's default, stated here;
 ``MPI4PY_RC_THREAD_LEVEL`` still overrides it) so that user threads may wait on works;
-``MPI_Finalize`` runs at exit (mpi4py), after an ``atexit`` hook of this module closed the
+``MPI_Finalize`` runs at exit (mpi4py), after the ``atexit`` hook of ``collectives.lifetime`` closed the
 groups still open. If the program initialised MPI itself, its thread level is kept. Under
 oversubscription (more local ranks than usable cores) MPICH's own blocking loops
 (``Comm.Create_group``, ``MPI_Finalize``, and any raw mpi4py call of the program) are made
@@ -120,13 +120,11 @@ group's communicators; never ``COMM_WORLD``. Arrays that MPI may still write aft
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import os
 import sys
 import threading
 import time
-import weakref
 import zlib
 from typing import Any, Callable, Optional, Sequence
 
@@ -135,7 +133,9 @@ import numpy as np
 from collectives.buffers import HostBuffer
 from collectives.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, PeerError
 from collectives.errors import where as _where
+from collectives.algorithms.links import fold_tag
 from collectives.group import MAX_USER_TAG, ProcessGroup
+from collectives.lifetime import close_at_exit, forget_at_exit, open_groups
 from collectives.launch import Rendezvous
 from collectives.reduce_op import ReduceOp, combine_into, finish
 from collectives.work import Work
@@ -279,21 +279,6 @@ def _bytes(a: np.ndarray) -> list:
     return [a, MPI.BYTE]
 
 
-def fold_tag(tag: int, bits: int) -> int:
-    """An MPI tag below ``2**bits`` for an internal tag (>= 2**31) of this library: the
-    low ``bits`` bits, with a hash of the higher bits mixed into bits 12 and up (the
-    algorithm step, bits 0..11, is kept as is).
-
-    >>> fold_tag((1 << 39) | (5 << 12) | 3, 29) & 0xFFF
-    3
-    """
-    mask = (1 << bits) - 1
-    high = tag >> bits
-    mix = (high * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-    mix ^= mix >> 31
-    return (tag & mask) ^ ((mix << 12) & mask)
-
-
 # ------------------------------------------------------------------------------ polling
 def _poll(test: Callable[[], bool], limit: float) -> bool:
     """Call ``test`` until it returns True (then True) or ``limit`` seconds passed (then
@@ -403,14 +388,13 @@ class MpiWork(Work):
 
 
 # ------------------------------------------------------------------------------ groups
-_OPEN_GROUPS: "weakref.WeakSet[MpiGroup]" = weakref.WeakSet()
 #: Works whose group closed before MPI finished them: their arrays must outlive MPI.
 _ORPHANS: list = []
 _ASK_IDS = itertools.count(int.from_bytes(os.urandom(3), "little") << 20)
 
 
 def _answer_all_peers() -> None:
-    for group in list(_OPEN_GROUPS):
+    for group in open_groups(MpiGroup):
         group._answer_peers()
 
 
@@ -448,12 +432,9 @@ class MpiGroup(ProcessGroup):
         self._diag_tags = [self._tag_ub - k for k in range(_RESERVED_TAGS)]
         self._answers: list = []
         self._diag_lock = threading.Lock()
-        _OPEN_GROUPS.add(self)
+        close_at_exit(self)
 
     # --------------------------------------------------------------------- plumbing
-    def _describe(self, op: str, seq: int) -> str:
-        return f"{self._where(op)} (seq {seq})" if seq >= 0 else self._where(op)
-
     def _translate(self, exc: BaseException, op: str, seq: int, peer: int = -1) -> BaseException:
         """A typed error of this library for MPI's exception ``exc`` in ``op``."""
         if isinstance(exc, CollectiveError) or not isinstance(exc, MPI.Exception):
@@ -742,7 +723,7 @@ class MpiGroup(ProcessGroup):
 
     # --------------------------------------------------------------------- lifetime
     def _close(self) -> None:
-        _OPEN_GROUPS.discard(self)
+        forget_at_exit(self)
         deadline = time.monotonic() + self.timeout
         pending = self._in_flight()
         for w in pending:  # finish what is in flight (results land, errors are dropped)
@@ -821,13 +802,3 @@ def _unlink_mpich_init_segments() -> None:
                 os.unlink(path)
             except OSError:  # another local rank was first, or not ours to remove
                 pass
-
-
-@atexit.register
-def _close_all_at_exit() -> None:
-    # Before mpi4py's MPI_Finalize (which runs after the atexit hooks).
-    for group in list(_OPEN_GROUPS):
-        try:
-            group.close()
-        except Exception:  # noqa: BLE001 - exiting anyway
-            pass

@@ -73,7 +73,6 @@ import socket
 import threading
 import time
 import warnings
-import weakref
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
 import ml_dtypes
@@ -85,6 +84,7 @@ from collectives.buffers import HostBuffer, to_host
 from collectives.errors import CollectiveError, CollectiveTimeout, PeerError
 from collectives.errors import where as _where
 from collectives.group import ProcessGroup
+from collectives.lifetime import close_at_exit, forget_at_exit, process_alive
 from collectives.launch import Rendezvous
 from collectives.reduce_op import ReduceOp, finish
 from collectives.work import Work
@@ -202,6 +202,8 @@ def _wire_tag(tag: int) -> int:
         return tag
     # Keep the algorithm step (bits 0..11) and the low sequence bits; mix in the rest
     # (collective bit, high sequence bits, sub-group id) so that neighbours stay apart.
+    # (Not collectives.algorithms.links.fold_tag: over 30 bits its hash let 6 of the
+    # 1249 tags of test_wire_tags_fit_a_c_int collide.)
     high = (tag >> 30) * 0x9E3779B1 & 0x3FFFF
     return _FOLDED_TAG_BASE | ((((tag >> 12) & 0x3FFFF) ^ high) << 12) | (tag & 0xFFF)
 
@@ -355,7 +357,7 @@ class TorchGroup(ProcessGroup):
         self._tls = threading.local()
         #: Group rank -> process id, for the ranks on this host (see `_dead_peers`).
         self._local_pids: dict[int, int] = self._exchange_pids()
-        _OPEN_GROUPS.add(self)  # only now: a failed constructor's caller releases the store
+        close_at_exit(self)  # only now: a failed constructor's caller releases the store
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -437,9 +439,6 @@ class TorchGroup(ProcessGroup):
             if _conflict(work._spans, spans):
                 work._finish()  # its error, if any, stays with it for its own wait()
 
-    def _describe(self, op: str, seq: int) -> str:
-        return f"{self._where(op)} (seq {seq})" if seq >= 0 else self._where(op)
-
     # ------------------------------------------------------------- failure diagnosis
     def _exchange_pids(self) -> dict[int, int]:
         """Every member publishes ``host pid`` in the store; returns group rank -> pid
@@ -460,7 +459,7 @@ class TorchGroup(ProcessGroup):
 
     def _dead_peers(self) -> list[int]:
         """Group ranks on this host whose process has ended."""
-        return [r for r, pid in self._local_pids.items() if not _process_alive(pid)]
+        return [r for r, pid in self._local_pids.items() if not process_alive(pid)]
 
     def _wait(self, w: Any, op: str, seq: int, peer: int = -1) -> None:
         """``w.wait()``, raising :class:`PeerError` as soon as a member of the group on
@@ -729,7 +728,7 @@ class TorchGroup(ProcessGroup):
 
     # --------------------------------------------------------------------- lifetime
     def _close(self) -> None:
-        _OPEN_GROUPS.discard(self)
+        forget_at_exit(self)
         deadline = time.monotonic() + self.timeout
         while True:  # finish what is still in flight (results land, errors are dropped)
             pending = self._in_flight()
@@ -1055,21 +1054,6 @@ def _keep_forever(obj: Any) -> None:
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
-def _process_alive(pid: int) -> bool:
-    """True while process ``pid`` runs (a zombie waiting to be reaped has ended)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        try:  # no /proc (not Linux): signal 0 says whether it exists
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except OSError:
-            return True
-        return True
-
-
 def _unsupported(exc: BaseException) -> bool:
     low = str(exc).lower()
     return "not supported" in low or "does not support" in low or "unsupported" in low
@@ -1084,17 +1068,10 @@ def _shutdown(pg: Any) -> None:
             pass
 
 
-#: Groups not closed yet: closed at exit, before the interpreter finalises.
-_OPEN_GROUPS: "weakref.WeakSet[TorchGroup]" = weakref.WeakSet()
-
-
 @atexit.register
-def _close_all_at_exit() -> None:
-    for group in list(_OPEN_GROUPS):
-        try:
-            group.close()
-        except Exception:  # noqa: BLE001 - exiting anyway
-            pass
+def _release_stores_at_exit() -> None:
+    # (the groups themselves are closed by collectives.lifetime's exit hook, registered
+    # earlier, so run later: atexit hooks run last in, first out)
     with _STORES_LOCK:
         for meeting in list(_STORES.values()):
             meeting.store = None

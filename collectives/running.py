@@ -103,6 +103,11 @@ class CallRunner:
             b.commit()
         return None
 
+    def _describe(self, op: str, seq: int) -> str:
+        """``[rank r/n] op (seq k)`` for a collective, ``[rank r/n] op`` for point to point
+        (``seq`` -1): how errors name a call."""
+        return f"{self._where(op)} (seq {seq})" if seq >= 0 else self._where(op)
+
     def _before_start(self, async_op: bool) -> None:
         """Called before a hook of a ``hooks_return_work`` backend starts its operation
         (the torch backends order it after the async ops in flight whose memory it

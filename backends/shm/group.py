@@ -25,6 +25,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from collectives.environment import env_number
+from collectives.lifetime import process_alive
 from collectives.errors import CollectiveError, CollectiveTimeout, PeerError
 from collectives.group import ProcessGroup
 from collectives.shm_names import segment_name
@@ -204,7 +205,7 @@ class ShmGroup(ReduceOps, CollectiveOps, ProcessGroup):
             how = "closed the group" if state == sg.STATE_CLOSED else \
                 "failed in a collective (see its own error)"
             raise PeerError(f"{self._where_seq(what, seq)}: rank {r} {how}", peer=r)
-        if check_pid and self._pid_checkable[r] and not sg.pid_alive(self._pids[r]):
+        if check_pid and self._pid_checkable[r] and not process_alive(self._pids[r]):
             if done is not None and self._u64 is not None and done():
                 return
             raise PeerError(f"{self._where_seq(what, seq)}: rank {r} (pid {self._pids[r]}) "

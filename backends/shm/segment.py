@@ -34,6 +34,7 @@ from typing import Optional
 import numpy as np
 
 from collectives.errors import CollectiveError, CollectiveTimeout, PeerError
+from collectives.lifetime import process_alive
 from collectives.shm_names import SHM_DIR
 
 MAGIC = b"COLLSHM\x01"
@@ -129,30 +130,6 @@ def same_pid_namespace(peer_ns: int) -> bool:
         return False
     mine = pid_namespace()
     return mine == 0 or peer_ns in (0, mine)
-
-
-def pid_alive(pid: int) -> bool:
-    """True unless process ``pid`` is gone or a zombie."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    except OSError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True
-    end = stat.rfind(b")")
-    state = stat[end + 2:end + 3]
-    return state not in (b"Z", b"X", b"x")
 
 
 class Segment:
@@ -255,7 +232,7 @@ def _create_and_publish(name: str, layout: Layout, deadline: float, where: str) 
             except FileExistsError:
                 pass
             owner = _existing_owner(path)
-            if owner is None or not pid_alive(owner):
+            if owner is None or not process_alive(owner):
                 # A stale segment of a crashed job with the same id: replace it.
                 try:
                     os.unlink(path)
@@ -316,7 +293,7 @@ def _try_attach(name: str, size: int, where: str) -> Optional[Segment]:
         mm.close()
         return None
     _, version, n, total, chunk, ring, creator, _nonce = fields
-    if not pid_alive(creator):
+    if not process_alive(creator):
         mm.close()
         return None  # stale, from a crashed job: the leader will replace it
     if version != VERSION or n != size or total != st.st_size:
@@ -364,7 +341,7 @@ def _attach_and_wait(seg: Segment, rank: int, size: int, deadline: float, timeou
     pid = os.getpid()
     other = u64[lay.ctrl_word(rank, W_PID)]
     if u64[lay.ctrl_word(rank, W_STATE)] != STATE_DETACHED and other != pid \
-            and pid_alive(other):
+            and process_alive(other):
         raise CollectiveError(
             f"{where}: rank {rank} of this group is already attached by process {other}: "
             f"two processes with the same rank, or a job id reused by a running job")
@@ -381,7 +358,7 @@ def _attach_and_wait(seg: Segment, rank: int, size: int, deadline: float, timeou
             if r != rank and u64[lay.ctrl_word(r, W_STATE)] != STATE_DETACHED \
                     and same_pid_namespace(u64[lay.ctrl_word(r, W_PIDNS)]):
                 peer_pid = u64[lay.ctrl_word(r, W_PID)]
-                if not pid_alive(peer_pid):
+                if not process_alive(peer_pid):
                     raise PeerError(f"{where}: rank {r} (pid {peer_pid}) died while the "
                                     f"group was being set up", peer=r)
         if time.monotonic() > deadline:

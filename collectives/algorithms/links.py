@@ -79,3 +79,18 @@ def wait_all(works: Iterable[Work]) -> None:
             error = error or exc
     if error is not None:
         raise error
+
+
+def fold_tag(tag: int, bits: int) -> int:
+    """An MPI tag below ``2**bits`` for an internal tag (>= 2**31) of this library: the
+    low ``bits`` bits, with a hash of the higher bits mixed into bits 12 and up (the
+    algorithm step, bits 0..11, is kept as is).
+
+    >>> fold_tag((1 << 39) | (5 << 12) | 3, 29) & 0xFFF
+    3
+    """
+    mask = (1 << bits) - 1
+    high = tag >> bits
+    mix = (high * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    mix ^= mix >> 31
+    return (tag & mask) ^ ((mix << 12) & mask)
