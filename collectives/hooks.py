@@ -42,20 +42,24 @@ What a hook receives
       that is the same on every rank, so all_reduce results are bitwise identical.
 
 What a hook returns
-    ``None``, once the operation is complete on this rank (outputs written). It runs on
-    the calling thread, or on the group's own thread for ``async_op=True`` (one thread,
-    so operations keep their issue order on every rank): a hook must not assume which.
-    Every wait inside it is bounded by ``self.timeout`` and raises
-    :class:`~collectives.errors.CollectiveTimeout`; a peer that died or closed is a
-    :class:`~collectives.errors.PeerError`; each names the op, ``seq`` and the rank.
+    Either ``None``, once the operation is complete on this rank (outputs written): the
+    hook may block. It runs on the calling thread, or on the group's own thread for
+    ``async_op=True`` (one thread, so operations keep their issue order on every rank):
+    a hook must not assume which. Every wait inside it is bounded by ``self.timeout``.
 
-Known deviation (open work)
-    ``backends.mpi`` and ``backends.torchdist`` override ``ProcessGroup._run`` so that
-    their hooks can issue the library's non-blocking call and hand its request back
-    through a side channel. The intended contract lets a hook *return* a pending request
-    (a :class:`~collectives.work.Work`) that the base class waits on with the group's
-    timeout, or hands to the caller for ``async_op=True``; until it does, those two
-    backends keep their own ``_run``.
+    Or, in a backend that sets ``hooks_return_work = True`` (MPI's and torch's
+    non-blocking calls), a :class:`~collectives.work.Work` for the operation it *started*
+    without blocking. The base class then calls the hook on the calling thread also for
+    ``async_op=True`` (``_before_start(async_op)`` runs first), and either waits on the
+    Work at once or hands it to the caller (tracked with ``_track`` until it finished, so
+    that ``close()`` can finish it). ``Work.wait(None)`` must bound its wait by the group's
+    timeout. Exceptions the hook raises go through ``self._translate(exc, op, seq)``.
+
+    Either way, failures are typed: :class:`~collectives.errors.CollectiveTimeout` for a
+    wait that ran out, :class:`~collectives.errors.PeerError` for a peer that died or
+    closed, :class:`~collectives.errors.CollectiveMismatch` for calls that do not match;
+    each names the op, ``seq`` and the rank (``self._describe(op, seq)``). No backend
+    overrides ``ProcessGroup._run``.
 
 Two ranks, a hook of a backend that adds 1 after the default all_reduce::
 
