@@ -115,4 +115,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    launch(main, parse_args("tp", epochs=5, batch_size=32, lr=0.05, description=__doc__))
+    launch(main, parse_args("tp", epochs=3, batch_size=32, lr=0.05, description=__doc__))
