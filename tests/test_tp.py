@@ -232,7 +232,8 @@ def _assert_ok(results: list, where: str = "") -> None:
 
 # ------------------------------------------------------------------ fixed cases
 def fixed_cases(n: int) -> list:
-    """A few (check, case) pairs that suit a world of ``n``: run in every real-process job."""
+    """A few (check, case) pairs that suit a world of ``n``, run in every real-process job
+    (with :func:`sweep_cases`)."""
     return [
         ("linear", dict(seed=1, lead=[3], d_in=5, hidden=2 * n, d_out=3, bias=True,
                         gather_output=False, input_is_parallel=True)),
@@ -246,8 +247,34 @@ def fixed_cases(n: int) -> list:
     ]
 
 
+def sweep_cases(n: int, count: int = 4, seed: int = 0) -> list:
+    """``count`` random cases of each check for a world of ``n`` (the properties' ranges),
+    the same list in every process: the real-process jobs' share of the sweep."""
+    import random
+    rng = random.Random(seed * 101 + n)
+    cases = []
+    for i in range(count):
+        cases.append(("linear", dict(
+            seed=rng.randrange(2**31), lead=[rng.randint(0, 4)] * rng.randint(1, 2),
+            d_in=rng.randint(1, 9), hidden=n * rng.randint(1, 4), d_out=rng.randint(1, 7),
+            bias=rng.random() < 0.5, gather_output=rng.random() < 0.5,
+            input_is_parallel=rng.random() < 0.5)))
+        cases.append(("vocab", dict(seed=rng.randrange(2**31), vocab=n * rng.randint(1, 6),
+                                    dim=rng.randint(1, 6), lead=[rng.randint(1, 4)] * 2)))
+        cases.append(("block", dict(
+            seed=rng.randrange(2**31), batch=rng.randint(1, 3), seq=n * rng.randint(1, 3),
+            heads=n * rng.randint(1, 2), head_dim=rng.randint(1, 4),
+            ffn=n * rng.randint(1, 4), causal=rng.random() < 0.5,
+            sequence_parallel=i % 2 == 0)))
+    return cases
+
+
+def job_cases(n: int) -> list:
+    return fixed_cases(n) + sweep_cases(n)
+
+
 def _job_on(pg) -> list:
-    return [CHECKS[name](pg, case) for name, case in fixed_cases(pg.size)]
+    return [CHECKS[name](pg, case) for name, case in job_cases(pg.size)]
 
 
 def _spawned_job() -> dict:
@@ -270,10 +297,10 @@ def _spawned_job() -> dict:
 
 def _assert_job(results: list, where: str) -> None:
     n = len(results)
-    for i, (name, _) in enumerate(fixed_cases(n)):
-        _assert_ok([r["world"][i] for r in results], f"{where} n={n} {name}#{i}")
+    for i, (name, case) in enumerate(job_cases(n)):
+        _assert_ok([r["world"][i] for r in results], f"{where} n={n} {name} {case}")
     if n == 4:
-        for i, (name, _) in enumerate(fixed_cases(2)):
+        for i, (name, _) in enumerate(job_cases(2)):
             _assert_ok([r["pair"][i] for r in results[:2]], f"{where} pair {name}#{i}")
 
 
@@ -282,7 +309,7 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 
 PROPERTY = settings(max_examples=int(os.environ.get("TP_EXAMPLES", "25")), deadline=None)
 worlds = st.integers(1, 4)
-leads = st.lists(st.integers(1, 4), min_size=1, max_size=2)
+leads = st.lists(st.integers(0, 4), min_size=1, max_size=2)   # empty batches too
 
 
 @PROPERTY
@@ -598,13 +625,14 @@ needs_mpi = pytest.mark.skipif(
 
 
 @needs_mpi
-def test_under_mpiexec():
-    """The fixed cases on the mpi backend: this file run by ``mpiexec -n 3``."""
-    proc = _run([MPIEXEC, "-n", "3", sys.executable, __file__], timeout=120)
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert sorted(d["rank"] for d in lines) == [0, 1, 2]
-    assert {d["backend"] for d in lines} == {"mpi"}
-    _assert_job([d["result"] for d in sorted(lines, key=lambda d: d["rank"])], "mpi")
+def test_under_mpiexec(tmp_path):
+    """The job's cases on the mpi backend: this file run by ``mpiexec -n 2`` (the example
+    test runs 4 ranks under mpiexec), each rank writing its results to a file (mpiexec
+    may interleave long lines of output)."""
+    _run([MPIEXEC, "-n", "2", sys.executable, __file__, str(tmp_path)], timeout=120)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert {d["backend"] for d in reports} == {"mpi"}
+    _assert_job([d["result"] for d in reports], "mpi")
 
 
 # ------------------------------------------------------------------ the example
@@ -693,13 +721,12 @@ def test_parallel_tp_imports_no_transport():
                     f"{path.name} imports {name}"
 
 
-if __name__ == "__main__":  # one rank of test_under_mpiexec's job
+if __name__ == "__main__":  # one rank of test_under_mpiexec's job: python test_tp.py DIR
     torch.set_num_threads(1)
     _pg = collectives.init_process_group()
     try:
-        _result = {"world": _job_on(_pg), "pair": None}
-        print(json.dumps({"rank": _pg.rank, "backend": _pg.backend, "result": _result}),
-              flush=True)
+        _report = {"backend": _pg.backend, "result": {"world": _job_on(_pg), "pair": None}}
+        Path(sys.argv[1], f"rank{_pg.rank}.json").write_text(json.dumps(_report))
         _pg.barrier()
     finally:
         _pg.close()
