@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .linear import ColumnParallelLinear, RowParallelLinear
+from .linear import ColumnParallelLinear, RowParallelLinear, dense_linear_init
 from .regions import block_size, check_group, copy_to, reduce_from
 from .sequence import gather_from_sequence, reduce_scatter_to_sequence, sum_grads_over_group
 
@@ -111,10 +111,16 @@ class ParallelTransformerBlock(nn.Module):
         if seed is None:
             mine = int(torch.randint(0, 2**62, ())) if group.rank == 0 else None
             seed = group.broadcast_object(mine, src=0) if group.size > 1 else mine
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            dense = TransformerBlock(hidden, num_heads, ffn_hidden, causal=causal,
-                                     dropout=dropout)
+        dense = TransformerBlock(hidden, num_heads, ffn_hidden, causal=causal,
+                                 dropout=dropout)
+        # nn.Linear's initialisation, from a generator of the shared seed rather than the
+        # global random state (which the threads of one process would share).
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for m in (dense.q, dense.k, dense.v, dense.proj, dense.fc1, dense.fc2):
+                weight, bias = dense_linear_init(m.in_features, m.out_features, True, gen)
+                m.weight.copy_(weight)
+                m.bias.copy_(bias)
         super().__init__()
         self._build(dense, group, sequence_parallel)
 

@@ -185,7 +185,7 @@ class ColumnParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x, self.in_features, "in_features")
         x = copy_to(x, self.group)                      # (..., in), backward: all_reduce
-        y = F.linear(x, self.weight, self.bias)         # (..., in) @ (in, out/n) -> (..., out/n)
+        y = F.linear(x, self.weight, self.bias)     # (..., in) @ (in, out/n) -> (..., out/n)
         return gather_from(y, self.group) if self.gather_output else y   # (..., out)
 
     def extra_repr(self) -> str:
@@ -233,7 +233,7 @@ class RowParallelLinear(_ParallelLinear):
         else:
             self._check_input(x, self.in_features, "in_features")
             x = scatter_to(x, self.group)               # (..., in) -> (..., in/n)
-        y = F.linear(x, self.weight)                    # (..., in/n) @ (in/n, out) -> (..., out)
+        y = F.linear(x, self.weight)                # (..., in/n) @ (in/n, out) -> (..., out)
         y = reduce_from(y, self.group)                  # sum of the ranks' partial products
         return y + self.bias if self.bias is not None else y
 

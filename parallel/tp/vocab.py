@@ -134,7 +134,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             group.all_reduce(top, ReduceOp.MAX)
         shifted = logits - top.unsqueeze(-1)                    # (..., V/n)
         mine = (target >= start) & (target < start + block)     # the target is in my block
-        local = (target - start).masked_fill(~mine, 0)
+        local = (target.long() - start).masked_fill(~mine, 0)   # gather wants int64
         picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
         exp = shifted.exp()
         both = torch.stack([picked, exp.sum(dim=-1)])           # (2, ...): one message
