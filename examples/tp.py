@@ -8,9 +8,10 @@
 
 The MLP's hidden layers are split across the ranks, column then row: rank r holds rows
 [r*256/n, (r+1)*256/n) of the first layer (784 -> 256) and the same columns of the second
-(256 -> 64), so the 256 hidden features never leave their rank. The row layer's partial
-outputs are summed by one all_reduce in forward; backward needs none here (the column
-layer's all_reduce of dL/dx is skipped: the images need no gradient). The layers after it
+(256 -> 64), so the 256 hidden features never leave their rank (--nproc must divide 256:
+1, 2, 4, 8, ...; another number is a ValueError naming the layer). The row layer's
+partial outputs are summed by one all_reduce in forward; backward needs none here (the
+column layer's all_reduce of dL/dx is skipped: the images need no gradient). The layers after it
 (LayerNorm(64), ReLU, Linear(64, 10)) are replicated and see bitwise-identical inputs on
 every rank, so their gradients agree without communication.
 
