@@ -544,6 +544,18 @@ def test_bad_input_is_a_clear_error():
         assert "ParallelTransformerBlock: num_heads=3 is not divisible" in msgs["heads"]
         assert "ParallelTransformerBlock: ffn_hidden=5 is not divisible" in msgs["ffn"]
 
+    def bf16(pg):  # 16-bit logits: float32 inside, the loss float32, the gradient bf16
+        g = torch.Generator().manual_seed(0)
+        full, y = torch.randn(3, 8, generator=g) * 5, torch.randint(0, 8, (3,), generator=g)
+        logits = _block_of(full, -1, pg).bfloat16().requires_grad_()
+        loss = vocab_parallel_cross_entropy(logits, y, pg)
+        loss.sum().backward()
+        ref = F.cross_entropy(full.bfloat16().float(), y, reduction="none")
+        return loss.dtype, logits.grad.dtype, (loss - ref).abs().max().item()
+
+    for dtype, grad_dtype, err in run_threads(bf16, 2):
+        assert dtype == torch.float32 and grad_dtype == torch.bfloat16 and err < 1e-5
+
     with pytest.raises(TypeError, match="ColumnParallelLinear: argument `group`"):
         ColumnParallelLinear(4, 4, object())
     with pytest.raises(TypeError, match="from_dense: argument `linear` must be a torch.nn.Li"):

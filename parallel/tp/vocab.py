@@ -126,6 +126,9 @@ class VocabParallelEmbedding(nn.Module):
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: Any):
+        ctx.dtype = logits.dtype
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()  # sums of exponentials in 16 bits lose the small terms
         block = logits.shape[-1]
         start = group.rank * block
         # Subtract the max over the whole vocabulary: exp() then cannot overflow.
@@ -151,7 +154,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # d loss / d logits = softmax - one_hot(target), the one-hot in its owner's block.
         g = softmax.clone()
         g.scatter_add_(-1, local.unsqueeze(-1), -mine.to(g.dtype).unsqueeze(-1))
-        return g * grad.unsqueeze(-1), None, None
+        return (g * grad.unsqueeze(-1)).to(ctx.dtype), None, None
 
 
 def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor,
@@ -162,7 +165,8 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
 
     ``logits_shard`` (..., V/n) is rank r's block of vocabulary ids ``[r*V/n, (r+1)*V/n)``
     (a :class:`ColumnParallelLinear` output layer's output); ``target`` (...) holds ids in
-    ``[0, V)``, the same on every rank. Two all_reduces in forward (a max, then the target
+    ``[0, V)``, the same on every rank. 16-bit logits are computed in float32 (the loss
+    is float32; the gradient has the logits' dtype). Two all_reduces in forward (a max, then the target
     logit and the sum of exponentials together), none in backward; the gradient of
     ``logits_shard`` is exact.
 
