@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import multiprocessing.connection
 import os
+import pickle
 import secrets
 import shlex
 import signal
@@ -245,8 +246,11 @@ def mpiexec_launcher(envs: list[dict[str, str]],
                 raise RuntimeError("a worker connected but did not say its rank")
             rank, pid = conn.recv()
             conns[rank], pids[rank] = conn, pid
-        for rank, conn in enumerate(conns):  # as multiprocessing's spawn: our sys.path too
-            conn.send((envs[rank], initializer, list(sys.path)))
+        # As multiprocessing's spawn: our sys.path too. The initializer goes pickled on
+        # its own, to be unpickled once that path is in place (it is found by name).
+        initializer_bytes = pickle.dumps(initializer)
+        for rank, conn in enumerate(conns):
+            conn.send((envs[rank], initializer_bytes, list(sys.path)))
     except BaseException:
         for conn in accepted:
             conn.close()
@@ -273,10 +277,10 @@ def _worker() -> None:
     conn = multiprocessing.connection.Client((host, int(port)),
                                              authkey=bytes.fromhex(os.environ[_KEY_VAR]))
     conn.send((_mpi_rank(), os.getpid()))
-    env, initializer, path = conn.recv()
+    env, initializer_bytes, path = conn.recv()
     os.environ.update(env)
     sys.path[:0] = [p for p in path if p not in sys.path]  # tasks are pickled by name
-    serve(conn, initializer)
+    serve(conn, pickle.loads(initializer_bytes))
     # Skip the interpreter's slow shutdown, but end MPI properly: a rank that exits
     # without MPI_Finalize makes mpiexec kill the whole job.
     import atexit
