@@ -33,10 +33,10 @@ import numpy as np
 
 from ..algorithms import Links
 from ..registry import available_backends
-from .execution import SENTINEL, CaseResult, compare
+from .execution import SENTINEL, CaseResult
 from .functions import FunctionRef
 from .launchers import Launcher, resolve_launcher
-from .pool import RemoteError, WorldPool
+from .pool import WorldPool
 from .strategies import (DTYPES, OPS, CollectiveCase, collective_cases, make_input,
                          numpy_dtype, output_shape)
 from .workers import Task
@@ -172,14 +172,6 @@ def check_algorithm(fn: Callable[..., Any], op: str, *, backends: Optional[Seque
 
 
 def _check_case(pool: WorldPool, ref: FunctionRef, case: CollectiveCase) -> None:
-    replies = pool.call(run_algorithm_case, ref, case, raise_errors=False)
-    results = [CaseResult(r, error=x) if isinstance(x, RemoteError) else x
-               for r, x in enumerate(replies)]
-    problems = compare(case, pool.world_size, results)
-    if problems:
-        raise AssertionError(
-            f"{ref.qualname} as {case.op} on backend {pool.backend!r} with "
-            f"{pool.world_size} ranks: {len(problems)} problem(s)\n  case: {case!r}\n  - "
-            + "\n  - ".join(p.replace("\n", "\n    ") for p in problems)
-            + f"\n  reproduce: check_algorithm({ref.qualname}, {case.op!r}, "
-              f"backends=[{pool.backend!r}], world_sizes=[{pool.world_size}])")
+    pool.check(case, task=run_algorithm_case, args=(ref,), name=ref.qualname,
+               reproduce=f"check_algorithm({ref.qualname}, {case.op!r}, "
+                         f"backends=[{pool.backend!r}], world_sizes=[{pool.world_size}])")

@@ -295,25 +295,28 @@ class WorldPool:
             raise RemoteErrors(errors, [None if e else r for e, r in zip(errors, replies)])
         return replies
 
-    def run(self, case: CollectiveCase) -> list[CaseResult]:
-        """Run ``case`` on every rank: each rank's :class:`CaseResult` (with ``error`` set
-        where the rank raised)."""
-        replies = self.call(run_case, case, raise_errors=False)
+    def run(self, case: CollectiveCase, *, task: Task = run_case,
+            args: Sequence[Any] = ()) -> list[CaseResult]:
+        """Run ``case`` on every rank (``task(group, *args, case)``, by default the public
+        API's :func:`~collectives.testing.run_case`): each rank's :class:`CaseResult`
+        (with ``error`` set where the rank raised)."""
+        replies = self.call(task, *args, case, raise_errors=False)
         return [CaseResult(r, error=x) if isinstance(x, RemoteError) else x
                 for r, x in enumerate(replies)]
 
-    def check(self, case: CollectiveCase) -> list[CaseResult]:
-        """Run ``case`` and raise ``AssertionError`` describing every difference from the
-        reference (outputs, untouched inputs, bitwise-equal all_reduce results, memory
-        outside strided views, errors); return the results when it passed."""
-        results = self.run(case)
+    def check(self, case: CollectiveCase, *, task: Task = run_case, args: Sequence[Any] = (),
+              name: str = "", reproduce: str = "") -> list[CaseResult]:
+        """Run ``case`` (as :meth:`run`) and raise ``AssertionError`` describing every
+        difference from the reference (outputs, untouched inputs, bitwise-equal all_reduce
+        results, memory outside strided views, errors), titled with ``name`` and ending
+        with the ``reproduce`` line; return the results when it passed."""
+        results = self.run(case, task=task, args=args)
         problems = compare(case, self.world_size, results)
         if problems:
             raise AssertionError(
-                f"{case.op} on backend {self.backend!r} with {self.world_size} ranks: "
-                f"{len(problems)} problem(s)\n  case: {case!r}\n  - "
+                f"{name + ' as ' if name else ''}{case.op} on backend {self.backend!r} with "
+                f"{self.world_size} ranks: {len(problems)} problem(s)\n  case: {case!r}\n  - "
                 + "\n  - ".join(p.replace("\n", "\n    ") for p in problems)
-                + f"\n  reproduce: WorldPool({self.backend!r}, {self.world_size}).check(case)")
+                + "\n  reproduce: "
+                + (reproduce or f"WorldPool({self.backend!r}, {self.world_size}).check(case)"))
         return results
-
-
