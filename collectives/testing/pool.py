@@ -163,7 +163,10 @@ class WorldPool:
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                 "COLLECTIVES_JOB_ID": self.job_id, "COLLECTIVES_SPAWNED": "1",
                 "COLLECTIVES_BACKEND": self.backend, "COLLECTIVES_TIMEOUT": str(self.timeout),
-                "OMP_NUM_THREADS": "1", **self.env}
+                "OMP_NUM_THREADS": "1",
+                # as collectives.spawn does: network backends authenticate with it (zmq
+                # would otherwise write a key file under the temp directory)
+                "COLLECTIVES_SECRET": secrets.token_hex(32), **self.env}
         envs = [dict(base, RANK=str(r), LOCAL_RANK=str(r)) for r in range(self.world_size)]
         self._world = self.launcher(envs, self.initializer)
         self.starts += 1
