@@ -14,7 +14,7 @@ fastest iterations. Each world size runs ``--repeat`` times in fresh processes a
 row keeps its best run: on a small shared machine one run in a few puts one group or the
 other into a state where every operation costs milliseconds more (scheduling; seen as
 often on raw torch as on ours). Results are checked once per size (``wrong`` counts bad
-elements). Rows in ``--json`` follow the benchmark contract of DESIGN.md.
+elements). Rows in ``--json`` follow the benchmark contract (``collectives.bench``'s docstring).
 
 This file may import torch.distributed: it is a benchmark, not part of ``parallel/``.
 """

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequenc
 
 from .errors import CollectiveError, CollectiveTimeout, PeerError
 from .group import timeout_seconds
+from .outer_launcher import refuse_under_launcher
 from .registry import check_backend_name
 from .shm_names import remove_job_segments
 
@@ -116,7 +117,13 @@ def spawn(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
             return float(t[0])
 
         collectives.spawn(work, 2)   # [3.0, 3.0]
+
+    Under torchrun or mpirun this process is one rank of a world already, and spawning
+    would start a separate local world inside every rank: ``spawn`` refuses with a
+    ``RuntimeError`` that says so. Call ``fn`` directly there
+    (``collectives.detect_rendezvous().launcher`` is ``"single"`` without a launcher).
     """
+    refuse_under_launcher(nproc)
     args, seconds = _check_arguments(fn, nproc, args, backend, timeout, join_timeout, env)
     ctx = multiprocessing.get_context("spawn")
     job_id = secrets.token_hex(6)

@@ -47,9 +47,22 @@ _close_problems: list[str] = []
 
 # Failing collectives write flight records (collectives.flight); the tests fail many on
 # purpose. Keep them in one folder of this session (inherited by every worker) instead of
-# the user's <tmp>/collectives-flight, and remove it at the end unless a test failed.
-_FLIGHT_DIR = os.environ.setdefault("COLLECTIVES_FLIGHT_DIR",
-                                    tempfile.mkdtemp(prefix="collectives-test-flight-"))
+# the user's <tmp>/collectives-flight, next to pytest's tmp_path folders, and remove the
+# whole folder at the end unless a test failed: a passing run leaves nothing in the temp
+# directory. Only the process that made the folder owns it: a worker process that imports
+# this module (a task of test_soak or test_hygiene does) finds the variable set.
+_OWN_SESSION_DIR = "COLLECTIVES_FLIGHT_DIR" not in os.environ
+_SESSION_DIR = tempfile.mkdtemp(prefix="collectives-test-") if _OWN_SESSION_DIR else ""
+if _OWN_SESSION_DIR:
+    os.environ["COLLECTIVES_FLIGHT_DIR"] = os.path.join(_SESSION_DIR, "flight")
+_FLIGHT_DIR = os.environ["COLLECTIVES_FLIGHT_DIR"]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """pytest's tmp_path folders go into this session's folder (unless --basetemp)."""
+    if _OWN_SESSION_DIR and config.option.basetemp is None:
+        config.option.basetemp = os.path.join(_SESSION_DIR, "tmp")
 
 
 @functools.lru_cache(maxsize=None)
@@ -209,11 +222,11 @@ def nothing_left_behind(request: pytest.FixtureRequest) -> Any:
     running = live_pools()
     if running:
         problems.append(f"pools never closed: {running}")
-    if _FLIGHT_DIR.startswith(os.path.join(tempfile.gettempdir(), "collectives-test-flight-")):
+    if _OWN_SESSION_DIR:
         if request.session.testsfailed:  # keep the evidence: python -m collectives.doctor
             print(f"\nflight records of this session's failures: {_FLIGHT_DIR}")
         else:
-            shutil.rmtree(_FLIGHT_DIR, ignore_errors=True)
+            shutil.rmtree(_SESSION_DIR, ignore_errors=True)
     if problems:
         pytest.fail("the test session left things behind:\n" + "\n".join(problems),
                     pytrace=False)

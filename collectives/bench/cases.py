@@ -43,7 +43,7 @@ import numpy as np
 OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "broadcast",
                         "all_to_all", "reduce", "gather", "scatter")
 
-#: busbw = algbw x factor(n); nccl-tests' factors (DESIGN.md, "The benchmark's contract").
+#: busbw = algbw x factor(n); nccl-tests' factors (the contract in :mod:`collectives.bench`).
 BUSBW_FACTORS: dict[str, Callable[[int], float]] = {
     "all_reduce": lambda n: 2.0 * (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,

@@ -101,7 +101,7 @@ def time_case(runners: Sequence[Runner], calls: Sequence[Callable[[], None]], ca
 
 
 def row(impl: str, case: Case, slowest: np.ndarray, wrong: int) -> dict:
-    """One row of the contract (DESIGN.md, "The benchmark's contract"): the median of the
+    """One row of the contract (see :mod:`collectives.bench`): the median of the
     slowest rank's times. Extra fields: ``count``, ``iters``, ``min_time_us``."""
     seconds = float(np.median(slowest))
     algbw, busbw = bandwidths(case.op, case.nbytes, case.world_size, seconds)

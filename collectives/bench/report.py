@@ -119,7 +119,7 @@ def table(rows: list[dict], ours: str, peers: Sequence[str], world_size: int) ->
 
 
 def write_json(rows: list[dict], path: str) -> None:
-    """Write the rows (a JSON list, DESIGN.md's contract plus extra fields) to ``path``."""
+    """Write the rows (a JSON list: the contract of :mod:`collectives.bench` plus extra fields) to ``path``."""
     with open(path, "w") as f:
         json.dump(rows, f, indent=1)
         f.write("\n")

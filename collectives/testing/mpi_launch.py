@@ -19,12 +19,19 @@ file on the connections and reports ``mpiexec``'s exit status and the end of its
 ``mpiexec`` runs in a session of its own, gets SIGTERM if the pool's process dies, and
 :meth:`MpiexecWorld.stop` ends it (SIGTERM, then SIGKILL to its process group).
 ``MPIEXEC`` names another launcher program; ``COLLECTIVES_MPIEXEC_ARGS`` adds arguments.
+
+MPICH maps a per-node file ``/dev/shm/mpich_shm_*`` in ``MPI_Init``; a job that is stopped
+by force, or whose ranks never got as far as the ``mpi`` backend (which unlinks it), leaves
+it behind. :meth:`MpiexecWorld.stop` removes every such file that appeared since the job
+started and that no live process maps any more (:func:`remove_dead_mpich_files`), so a
+failed start leaves nothing in /dev/shm either.
 """
 
 from __future__ import annotations
 
 import multiprocessing.connection
 import os
+import pickle
 import secrets
 import shlex
 import signal
@@ -37,7 +44,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..mpiexec import MpiexecUnavailable, find_mpiexec, own_session_dying_with_parent
-from .pool import LauncherUnavailable, Task, serve
+from .launchers import LauncherUnavailable
+from .workers import Task, serve
 
 #: Seconds to wait for every worker to connect back.
 _CONNECT_TIMEOUT = 60.0
@@ -58,12 +66,53 @@ def mpiexec_program() -> str:
 
 
 
+MPICH_PREFIX = "mpich_shm_"
+_SHM_DIR = "/dev/shm"
+
+
+def mpich_files() -> set[str]:
+    """The names of MPICH's shared-memory files in /dev/shm."""
+    try:
+        return {n for n in os.listdir(_SHM_DIR) if n.startswith(MPICH_PREFIX)}
+    except FileNotFoundError:
+        return set()
+
+
+def _mapped_shm_files() -> set[str]:
+    """The names of the /dev/shm files some live process maps."""
+    names = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                names.update(line.rsplit("/", 1)[1].strip() for line in f
+                             if f" {_SHM_DIR}/" in line)
+        except OSError:
+            pass
+    return names
+
+
+def remove_dead_mpich_files(before: set[str]) -> list[str]:
+    """Remove MPICH's files created since ``before`` that no live process maps (a job
+    that ended left them; one still mapped belongs to a job that runs). Returns the names
+    removed."""
+    gone = sorted(mpich_files() - before - _mapped_shm_files())
+    for name in gone:
+        try:
+            os.unlink(os.path.join(_SHM_DIR, name))
+        except FileNotFoundError:
+            pass
+    return gone
+
+
 class MpiexecWorld:
-    """The :class:`~collectives.testing.pool.LaunchedWorld` of one ``mpiexec`` job."""
+    """The :class:`~collectives.testing.pool.LaunchedWorld` of one ``mpiexec`` job.
+    ``mpich_removed`` lists the MPICH files :meth:`stop` removed."""
 
     def __init__(self, proc: subprocess.Popen, conns: list, pids: list[int],
-                 log: Any) -> None:
+                 log: Any, mpich_before: Optional[set[str]] = None) -> None:
         self.proc, self.conns, self.pids, self._log = proc, conns, pids, log
+        self._mpich_before = mpich_files() if mpich_before is None else mpich_before
+        self.mpich_removed: list[str] = []
         #: Empty: a worker's death shows as end of file on its connection.
         self.sentinels: list = []
 
@@ -117,6 +166,7 @@ class MpiexecWorld:
             os.unlink(self._log.name)
         except OSError:
             pass
+        self.mpich_removed += remove_dead_mpich_files(self._mpich_before)
 
 
 def _exists(pid: int) -> bool:
@@ -161,12 +211,13 @@ def mpiexec_launcher(envs: list[dict[str, str]],
     command = [program, "-n", str(n), *extra, sys.executable, "-m", __name__]
     log = tempfile.NamedTemporaryFile("w+", prefix="collectives-mpiexec-", suffix=".log",
                                       delete=False)
+    mpich_before = mpich_files()
     proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log,
                             stderr=subprocess.STDOUT,
                             preexec_fn=own_session_dying_with_parent)
     conns: list = [None] * n
     pids: list[int] = [0] * n
-    world = MpiexecWorld(proc, conns, pids, log)
+    world = MpiexecWorld(proc, conns, pids, log, mpich_before)
     accepted: list = []
     failure: list = []
 
@@ -195,8 +246,11 @@ def mpiexec_launcher(envs: list[dict[str, str]],
                 raise RuntimeError("a worker connected but did not say its rank")
             rank, pid = conn.recv()
             conns[rank], pids[rank] = conn, pid
-        for rank, conn in enumerate(conns):  # as multiprocessing's spawn: our sys.path too
-            conn.send((envs[rank], initializer, list(sys.path)))
+        # As multiprocessing's spawn: our sys.path too. The initializer goes pickled on
+        # its own, to be unpickled once that path is in place (it is found by name).
+        initializer_bytes = pickle.dumps(initializer)
+        for rank, conn in enumerate(conns):
+            conn.send((envs[rank], initializer_bytes, list(sys.path)))
     except BaseException:
         for conn in accepted:
             conn.close()
@@ -223,10 +277,10 @@ def _worker() -> None:
     conn = multiprocessing.connection.Client((host, int(port)),
                                              authkey=bytes.fromhex(os.environ[_KEY_VAR]))
     conn.send((_mpi_rank(), os.getpid()))
-    env, initializer, path = conn.recv()
+    env, initializer_bytes, path = conn.recv()
     os.environ.update(env)
     sys.path[:0] = [p for p in path if p not in sys.path]  # tasks are pickled by name
-    serve(conn, initializer)
+    serve(conn, pickle.loads(initializer_bytes))
     # Skip the interpreter's slow shutdown, but end MPI properly: a rank that exits
     # without MPI_Finalize makes mpiexec kill the whole job.
     import atexit

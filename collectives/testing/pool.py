@@ -11,43 +11,39 @@ with the environment a launcher gives) and then sends them work through pipes::
 
 If a worker dies or a call outlives ``timeout``, :class:`PoolError` says which ranks and
 what they were doing, the world is stopped, and the next call starts a fresh one.
-:func:`check_backend` runs the whole hypothesis conformance sweep in one call.
+:func:`~collectives.testing.check_backend` runs the whole hypothesis conformance sweep
+in one call, :func:`~collectives.testing.check_algorithm` a collective of your own.
 
-How workers are started is pluggable: a *launcher* takes one environment per rank and
-returns a :class:`LaunchedWorld` whose connections lead to workers running :func:`serve`.
-:func:`spawn_launcher` (``multiprocessing`` "spawn" context, pipes) is the default; MPI
-workers must be started by ``mpiexec`` instead (see :func:`launcher_for`).
+How workers are started is pluggable (:mod:`collectives.testing.launchers`): the default
+starts them with ``multiprocessing``; MPI workers are started by ``mpiexec``. Tasks and
+initializers travel by name; one defined in the script that runs the pool (``__main__``)
+travels as a :class:`~collectives.testing.functions.FunctionRef`, so it works under every
+launcher.
 """
 
 from __future__ import annotations
 
 import atexit
-import importlib
-import importlib.util
-import multiprocessing
 import multiprocessing.connection
-import os
-import pickle
 import secrets
-import signal
-import sys
 import time
-import traceback
 import weakref
-from typing import Any, Callable, Optional, Protocol, Sequence, Union
+from typing import Any, Optional, Sequence
 
 from ..errors import CollectiveError
 from ..shm_names import remove_job_segments
-from ..spawn import _die_with_parent, _Job, describe_exit, free_port
+from ..spawn import free_port
 from .execution import CaseResult, compare, run_case
-from .strategies import DTYPES, OPS, CollectiveCase, collective_cases
+from .functions import as_task
+from .launchers import (LaunchedWorld, Launcher, LauncherUnavailable, launcher_for,
+                        resolve_launcher, spawn_launcher)
+from .strategies import CollectiveCase
+from .workers import PRELOAD_VARIABLE, Task, serve
 
-#: A function run on every rank as ``fn(group, *args)``: a module-level callable (pickled
-#: by name) or its ``"module:function"`` name.
-Task = Union[str, Callable[..., Any]]
+__all__ = ["LaunchedWorld", "Launcher", "LauncherUnavailable", "PRELOAD_VARIABLE", "PoolError",
+           "RemoteError", "RemoteErrors", "Task", "WorldPool", "launcher_for", "live_pools",
+           "resolve_launcher", "serve", "spawn_launcher"]
 
-#: The environment variable naming the modules a worker imports before it joins.
-PRELOAD_VARIABLE = "COLLECTIVES_POOL_PRELOAD"
 #: Exceptions after which a world is kept: argument errors, raised before any message.
 _ARGUMENT_ERRORS = ("TypeError", "ValueError")
 #: Seconds a call may run past ``timeout`` (the group's own timeout) before the pool
@@ -92,169 +88,6 @@ class RemoteErrors(CollectiveError):
         self.errors, self.results = errors, results
 
 
-# ------------------------------------------------------------------------------ workers
-def _resolve(task: Task) -> Callable[..., Any]:
-    if callable(task):
-        return task
-    module, _, name = task.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
-def _error_reply(exc: BaseException) -> tuple:
-    try:
-        pickle.dumps(exc)
-        carried: Optional[BaseException] = exc
-    except Exception:  # noqa: BLE001 - an unpicklable exception travels as text
-        carried = None
-    return ("error", type(exc).__name__, str(exc), traceback.format_exc(), carried)
-
-
-def serve(conn: multiprocessing.connection.Connection,
-          initializer: Optional[Task] = None) -> None:
-    """A worker's life: import the modules named in ``COLLECTIVES_POOL_PRELOAD``
-    (comma-separated), run ``initializer()``, join the world through
-    :func:`collectives.init_process_group` (everything from the environment), say
-    ``("ready", rank, pid)``, then answer ``("call", task, args)`` with ``("ok", value)``
-    or ``("error", type name, message, traceback, exception)`` until ``("close",)``.
-
-    Any launcher's workers run this with a duplex connection to the pool.
-    """
-    import collectives
-
-    try:
-        for module in filter(None, os.environ.get(PRELOAD_VARIABLE, "").split(",")):
-            importlib.import_module(module)
-        if initializer is not None:
-            _resolve(initializer)()
-        group = collectives.init_process_group()
-    except BaseException as exc:  # noqa: BLE001 - reported to the pool
-        conn.send(_error_reply(exc))
-        return
-    conn.send(("ready", group.rank, os.getpid()))
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):  # the pool is gone
-            break
-        if message[0] == "close":
-            try:
-                group.close()
-                conn.send(("ok", None))
-            except BaseException as exc:  # noqa: BLE001 - reported to the pool
-                conn.send(_error_reply(exc))
-            break
-        _, task, args = message
-        try:
-            reply: tuple = ("ok", _resolve(task)(group, *args))
-        except BaseException as exc:  # noqa: BLE001 - reported to the pool
-            reply = _error_reply(exc)
-        try:
-            conn.send(reply)
-        except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable return value
-            conn.send(("error", type(exc).__name__,
-                       f"could not send the result to the pool: {exc}",
-                       traceback.format_exc(), None))
-    conn.close()
-
-
-def _spawned_worker(env: dict[str, str], conn: multiprocessing.connection.Connection,
-                    initializer: Optional[Task]) -> None:
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the pool stops us; Ctrl-C is its job
-    os.environ.update(env)
-    serve(conn, initializer)
-    # The group is closed and the pool has its answer: skip the interpreter's slow
-    # shutdown (seconds with torch loaded); what close() did not release shows as a leak.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-# ---------------------------------------------------------------------------- launchers
-class LaunchedWorld(Protocol):
-    """What a launcher returns: ``conns[r]`` leads to rank r's worker (running
-    :func:`serve`); ``sentinels`` become ready when a worker exits (may be empty: then a
-    death shows as end of file on its connection); ``alive()`` lists the pids still
-    running; ``stop()`` ends every worker, by force if needed; ``exit_description(r)``
-    says how rank r ended ('' if unknown)."""
-
-    conns: Sequence[multiprocessing.connection.Connection]
-    sentinels: Sequence[Any]
-
-    def exit_description(self, rank: int) -> str: ...
-
-    def stop(self) -> None: ...
-
-    def alive(self) -> list[int]: ...
-
-
-#: ``launcher(envs, initializer) -> LaunchedWorld``: start ``len(envs)`` workers, worker r
-#: with ``envs[r]`` added to its environment, each running ``serve(conn, initializer)``.
-Launcher = Callable[[list[dict[str, str]], Optional[Task]], LaunchedWorld]
-
-
-class _SpawnedWorld:
-    def __init__(self, procs: list, conns: list, job_id: str) -> None:
-        self.procs, self.conns = procs, conns
-        self.sentinels = [p.sentinel for p in procs]
-        self._job = _Job(procs, conns, job_id)
-
-    def exit_description(self, rank: int) -> str:
-        p = self.procs[rank]
-        p.join(0.5)
-        code = p.exitcode
-        if code is None:
-            return "still running"
-        return describe_exit(code, os.environ.get("COLLECTIVES_BACKEND"))
-
-    def alive(self) -> list[int]:
-        return [p.pid for p in self.procs if p.is_alive()]
-
-    def stop(self) -> None:
-        self._job.stop()  # SIGTERM, SIGKILL after a grace, close pipes, remove segments
-
-
-def spawn_launcher(envs: list[dict[str, str]], initializer: Optional[Task] = None, *,
-                   start_method: str = "spawn") -> _SpawnedWorld:
-    """Start one ``multiprocessing`` process per environment (the default launcher;
-    ``start_method="forkserver"`` forks them from a server that already imported what
-    ``multiprocessing.set_forkserver_preload`` named). Workers die with the pool's
-    process (``PR_SET_PDEATHSIG``)."""
-    ctx = multiprocessing.get_context(start_method)
-    procs, conns = [], []
-    job_id = envs[0].get("COLLECTIVES_JOB_ID", "") if envs else ""
-    try:
-        for env in envs:
-            ours, theirs = ctx.Pipe(duplex=True)
-            p = ctx.Process(target=_spawned_worker, args=(env, theirs, initializer),
-                            name=f"collectives-pool-rank{env.get('RANK', '?')}", daemon=False)
-            p.start()
-            theirs.close()
-            procs.append(p)
-            conns.append(ours)
-    except BaseException:
-        _Job(procs, conns, job_id).stop()
-        raise
-    return _SpawnedWorld(procs, conns, job_id)
-
-
-class LauncherUnavailable(RuntimeError):
-    """No launcher can start workers of this backend here."""
-
-
-def launcher_for(backend: str) -> Launcher:
-    """The launcher that starts workers of ``backend``: :func:`spawn_launcher` for every
-    backend whose ranks meet through the launcher's environment (shm, zmq, gloo, third
-    parties). ``mpi`` needs its workers started by ``mpiexec`` (connecting back to the
-    pool and running :func:`serve`): :func:`collectives.testing.mpi_launch.mpiexec_launcher`,
-    or :class:`LauncherUnavailable` where ``mpiexec`` or ``mpi4py`` is missing."""
-    if backend.rpartition(":")[2] == "mpi":
-        from .mpi_launch import mpiexec_launcher, mpiexec_program
-        mpiexec_program()  # LauncherUnavailable, with the reason, if it cannot run here
-        return mpiexec_launcher
-    return spawn_launcher
-
-
 # --------------------------------------------------------------------------------- pool
 _live_pools: "weakref.WeakSet[WorldPool]" = weakref.WeakSet()
 
@@ -279,20 +112,23 @@ class WorldPool:
     ``"module:function"``) runs in each worker before it joins the world: register a
     backend of your own there. ``preload`` names modules each worker imports while the
     world starts (``("torch",)``: seconds that would otherwise count against the first
-    call's timeout). ``env`` adds environment variables. ``launcher`` defaults to
+    call's timeout). ``env`` adds environment variables. ``launcher`` is a launcher, or
+    the name of one (``"spawn"``, ``"mpiexec"``: see
+    :func:`~collectives.testing.launchers.resolve_launcher`); by default
     :func:`launcher_for(backend) <launcher_for>`.
     """
 
     def __init__(self, backend: str, world_size: int, *, timeout: float = 60.0,
-                 launcher: Optional[Launcher] = None, initializer: Optional[Task] = None,
+                 launcher: "Launcher | str | None" = None,
+                 initializer: Optional[Task] = None,
                  preload: Sequence[str] = (), env: Optional[dict[str, str]] = None) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"WorldPool: world_size must be a positive int, got {world_size!r}")
         if not isinstance(backend, str):
             raise TypeError(f"WorldPool: backend must be a name, got {type(backend).__name__}")
         self.backend, self.world_size, self.timeout = backend, world_size, float(timeout)
-        self.launcher = launcher or launcher_for(backend)
-        self.initializer = initializer
+        self.launcher = resolve_launcher(launcher, backend, where="WorldPool")
+        self.initializer = as_task(initializer)
         self.env = {PRELOAD_VARIABLE: ",".join(preload), **(env or {})}
         self.starts = 0
         self.job_id: Optional[str] = None
@@ -327,7 +163,10 @@ class WorldPool:
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                 "COLLECTIVES_JOB_ID": self.job_id, "COLLECTIVES_SPAWNED": "1",
                 "COLLECTIVES_BACKEND": self.backend, "COLLECTIVES_TIMEOUT": str(self.timeout),
-                "OMP_NUM_THREADS": "1", **self.env}
+                "OMP_NUM_THREADS": "1",
+                # as collectives.spawn does: network backends authenticate with it (zmq
+                # would otherwise write a key file under the temp directory)
+                "COLLECTIVES_SECRET": secrets.token_hex(32), **self.env}
         envs = [dict(base, RANK=str(r), LOCAL_RANK=str(r)) for r in range(self.world_size)]
         self._world = self.launcher(envs, self.initializer)
         self.starts += 1
@@ -447,6 +286,7 @@ class WorldPool:
         """
         self.start()
         world = self._world
+        task = as_task(task)
         for conn in world.conns:
             conn.send(("call", task, args))
         replies = self._replies(f"calling {getattr(task, '__qualname__', task)}",
@@ -458,58 +298,28 @@ class WorldPool:
             raise RemoteErrors(errors, [None if e else r for e, r in zip(errors, replies)])
         return replies
 
-    def run(self, case: CollectiveCase) -> list[CaseResult]:
-        """Run ``case`` on every rank: each rank's :class:`CaseResult` (with ``error`` set
-        where the rank raised)."""
-        replies = self.call(run_case, case, raise_errors=False)
+    def run(self, case: CollectiveCase, *, task: Task = run_case,
+            args: Sequence[Any] = ()) -> list[CaseResult]:
+        """Run ``case`` on every rank (``task(group, *args, case)``, by default the public
+        API's :func:`~collectives.testing.run_case`): each rank's :class:`CaseResult`
+        (with ``error`` set where the rank raised)."""
+        replies = self.call(task, *args, case, raise_errors=False)
         return [CaseResult(r, error=x) if isinstance(x, RemoteError) else x
                 for r, x in enumerate(replies)]
 
-    def check(self, case: CollectiveCase) -> list[CaseResult]:
-        """Run ``case`` and raise ``AssertionError`` describing every difference from the
-        reference (outputs, untouched inputs, bitwise-equal all_reduce results, memory
-        outside strided views, errors); return the results when it passed."""
-        results = self.run(case)
+    def check(self, case: CollectiveCase, *, task: Task = run_case, args: Sequence[Any] = (),
+              name: str = "", reproduce: str = "") -> list[CaseResult]:
+        """Run ``case`` (as :meth:`run`) and raise ``AssertionError`` describing every
+        difference from the reference (outputs, untouched inputs, bitwise-equal all_reduce
+        results, memory outside strided views, errors), titled with ``name`` and ending
+        with the ``reproduce`` line; return the results when it passed."""
+        results = self.run(case, task=task, args=args)
         problems = compare(case, self.world_size, results)
         if problems:
             raise AssertionError(
-                f"{case.op} on backend {self.backend!r} with {self.world_size} ranks: "
-                f"{len(problems)} problem(s)\n  case: {case!r}\n  - "
+                f"{name + ' as ' if name else ''}{case.op} on backend {self.backend!r} with "
+                f"{self.world_size} ranks: {len(problems)} problem(s)\n  case: {case!r}\n  - "
                 + "\n  - ".join(p.replace("\n", "\n    ") for p in problems)
-                + f"\n  reproduce: WorldPool({self.backend!r}, {self.world_size}).check(case)")
+                + "\n  reproduce: "
+                + (reproduce or f"WorldPool({self.backend!r}, {self.world_size}).check(case)"))
         return results
-
-
-def check_backend(backend: Union[str, Sequence[str]], world_sizes: Sequence[int] = (1, 2, 3, 4),
-                  max_examples: int = 200, *, ops: Sequence[str] = OPS,
-                  dtypes: Sequence[str] = DTYPES, kinds: Optional[Sequence[str]] = None,
-                  timeout: float = 60.0, initializer: Optional[Task] = None,
-                  derandomize: bool = True) -> None:
-    """Check one backend (or several) against the reference: for each world size, a pool
-    of workers is fed ``max_examples`` hypothesis-drawn cases of every op, dtype,
-    reduction, root, shape and layout. Raises ``AssertionError`` on the first (shrunk)
-    failing case. To check a backend or algorithm of your own, register it in
-    ``initializer``::
-
-        def register():                      # in mypkg/checks.py
-            collectives.register_backend("mine", "mypkg.mine:create")
-
-        check_backend("mine", initializer="mypkg.checks:register")
-        check_backend("p2p:mine", initializer="mypkg.checks:register")  # default algorithms
-    """
-    from hypothesis import HealthCheck, given, settings
-
-    cases = {n: collective_cases(n, ops, dtypes, kinds=kinds) for n in world_sizes}
-    uses_torch = kinds is None or set(kinds) & {"torch", "cuda"}
-    preload = ("torch",) if uses_torch and importlib.util.find_spec("torch") else ()
-    for name in [backend] if isinstance(backend, str) else list(backend):
-        for n in world_sizes:
-            with WorldPool(name, n, timeout=timeout, initializer=initializer,
-                           preload=preload) as pool:
-                @settings(max_examples=max_examples, deadline=None, derandomize=derandomize,
-                          database=None, suppress_health_check=list(HealthCheck))
-                @given(cases[n])
-                def conforms(case: CollectiveCase) -> None:
-                    pool.check(case)
-
-                conforms()

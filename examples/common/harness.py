@@ -1,7 +1,7 @@
 """What the four examples (ddp, fsdp, tp, pp) share: the command line, the model, the
 launch, the progress bar and the closing JSON line.
 
-The contract (see DESIGN.md, "The examples' contract")::
+The contract every example keeps (the README's Quick start runs ``examples/ddp.py``)::
 
     python examples/NAME.py [--backend B] [--nproc N] [--epochs E] [--batch-size B]
                             [--data-dir D] [--seed S] [--lr LR] [--trace FILE]

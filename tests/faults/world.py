@@ -36,6 +36,7 @@ from typing import Any, Optional, Sequence
 
 from collectives.shm_names import PREFIX, SHM_DIR, job_digest, remove_job_segments
 from collectives.spawn import free_port
+from collectives.testing.mpi_launch import mpich_files, remove_dead_mpich_files
 from collectives.testing.pool import (PRELOAD_VARIABLE, RemoteError, launcher_for,
                                       spawn_launcher)
 
@@ -79,36 +80,13 @@ def _job_segments(job_id: str) -> list[str]:
 
 def mpich_segments() -> set[str]:
     """MPICH's own shared-memory files in /dev/shm."""
-    try:
-        return {n for n in os.listdir(SHM_DIR) if n.startswith("mpich")}
-    except FileNotFoundError:
-        return set()
-
-
-def _mapped_shm() -> set[str]:
-    """/dev/shm files some live process has mapped."""
-    names = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                names.update(line.rsplit("/", 1)[1].strip() for line in f
-                             if f" {SHM_DIR}/" in line)
-        except OSError:
-            pass
-    return names
+    return mpich_files()
 
 
 def remove_dead_mpich_segments(before: set[str]) -> list[str]:
-    """Remove the MPICH segments created since ``before`` that no live process maps: an
-    MPI job stopped by force (or killed by ``mpiexec`` after a rank died) leaves them;
-    one still mapped belongs to a job that runs. Returns the names removed."""
-    gone = sorted(mpich_segments() - before - _mapped_shm())
-    for name in gone:
-        try:
-            os.unlink(os.path.join(SHM_DIR, name))
-        except FileNotFoundError:
-            pass
-    return gone
+    """Remove the MPICH segments created since ``before`` that no live process maps (see
+    :func:`collectives.testing.mpi_launch.remove_dead_mpich_files`)."""
+    return remove_dead_mpich_files(before)
 
 
 def _pid_alive(pid: int) -> bool:
