@@ -138,9 +138,15 @@ def _private_dir(directory: str) -> None:
 
 def write_key_file(path: str, key: bytes) -> None:
     """Write ``key`` atomically, readable by this user only."""
-    _private_dir(os.path.dirname(path))
     tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    for attempt in range(3):  # another job's remove_key_file may take the empty directory
+        _private_dir(os.path.dirname(path))
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            break
+        except FileNotFoundError:
+            if attempt == 2:
+                raise
     try:
         os.write(fd, key.hex().encode())
     finally:
@@ -172,8 +178,13 @@ def read_key_file(path: str) -> Optional[bytes]:
 
 
 def remove_key_file(path: str) -> None:
+    """Remove the key file, and its directory once no job of this user has one there."""
     try:
         os.unlink(path)
+    except OSError:
+        pass
+    try:
+        os.rmdir(os.path.dirname(path))  # fails while another job's key is in it
     except OSError:
         pass
 
