@@ -6,6 +6,8 @@ or ``torch.distributed``.
 
 from .bucket import Bucket, assign_buckets
 from .ddp import DDP, DistributedDataParallel
+from .fsdp import FSDP, FullyShardedDataParallel
 from .sampler import ShardSampler
 
-__all__ = ["DDP", "Bucket", "DistributedDataParallel", "ShardSampler", "assign_buckets"]
+__all__ = ["DDP", "FSDP", "Bucket", "DistributedDataParallel", "FullyShardedDataParallel",
+           "ShardSampler", "assign_buckets"]
