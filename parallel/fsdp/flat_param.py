@@ -95,6 +95,10 @@ class FlatParam:
                  rank: int, world: int, *, compute_dtype: torch.dtype, where: str) -> None:
         if not entries:
             raise ValueError(f"{where}: a unit needs at least one parameter")
+        devices = {p.device.type for *_, p in entries}
+        if devices != {"cpu"}:
+            raise ValueError(f"{where}: parameters must be on the CPU (the gathered copies "
+                             f"are freed by resizing host storage); got {sorted(devices)}")
         dtypes = {p.dtype for *_, p in entries}
         if len(dtypes) != 1 or torch.float32 not in dtypes:
             raise TypeError(f"{where}: every parameter of a unit must be float32 (the "

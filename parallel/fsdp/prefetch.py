@@ -102,7 +102,7 @@ class BackwardPlan:
         p = self.position.get(unit.index)
         if p is not None:
             self._gather_through(p + 1 + (1 if self.prefetch else 0))
-        unit.wait_unshard()
+        unit.wait_unshard(install=False)
 
     def finish_gathers(self) -> None:
         """End of the pass: the gathers the schedule still owes (see the module docstring)."""

@@ -95,15 +95,17 @@ class Unit:
             self._gather_input = None
         return True
 
-    def wait_unshard(self) -> None:
-        """Block until the full copy is there; make the module's parameters its views."""
+    def wait_unshard(self, *, install: bool = True) -> None:
+        """Block until the full copy is there; make the module's parameters its views
+        (``install``; backward needs only the storage refilled: autograd kept its views)."""
         if self._gather_work is None and not self.flat.allocated:
             self.unshard(async_op=False)
         work, self._gather_work = self._gather_work, None
         if work is not None:
             work.wait()
             self._gather_input = None
-        self.flat.install_views()
+        if install:
+            self.flat.install_views()
 
     def reshard(self) -> None:
         """Free the full copy (zero3 only: zero1 and zero2 keep it)."""
