@@ -119,12 +119,13 @@ def _digest(sd: dict) -> np.ndarray:
 
 # ------------------------------------------------------------------ checks (per rank)
 def check_equivalence(pg, strategy="zero3", optim="sgd", *, steps=5, micro=1, b=4,
-                      **kwargs) -> dict:
+                      wrap=Block, model=None, **kwargs) -> dict:
     """``steps`` steps of ``optim``; each step ``micro`` micro-batches of ``b`` per rank,
     the first ``micro - 1`` under no_sync, each loss scaled by 1/micro."""
     n, r = pg.size, pg.rank
-    fsdp = FSDP(_model(100 + r), pg, wrap=Block, strategy=strategy, **kwargs)
-    ref = _model(100)                          # rank 0's initial weights
+    model = model or _model
+    fsdp = FSDP(model(100 + r), pg, wrap=wrap, strategy=strategy, **kwargs)
+    ref = model(100)                           # rank 0's initial weights
     opt, ref_opt = OPTIMIZERS[optim](fsdp.parameters()), OPTIMIZERS[optim](ref.parameters())
     gen = torch.Generator().manual_seed(7)
     for _ in range(steps):
@@ -146,7 +147,8 @@ def check_equivalence(pg, strategy="zero3", optim="sgd", *, steps=5, micro=1, b=
 
 class _Branchy(nn.Module):
     """``a`` always; ``b`` runs everywhere but reaches the loss on rank 0 only; ``never``
-    does not run; a BatchNorm with running statistics (buffers) in the root."""
+    does not run; a BatchNorm with running statistics (buffers) and a frozen layer (not
+    sharded) in the root."""
 
     def __init__(self, seed: int) -> None:
         super().__init__()
@@ -154,13 +156,13 @@ class _Branchy(nn.Module):
             torch.manual_seed(seed)
             self.trunk, self.bn = nn.Linear(6, 8), nn.BatchNorm1d(8)
             self.a, self.b, self.never = Block(8), Block(8), Block(8)
-            self.head = nn.Linear(8, 3)
+            self.head, self.frozen = nn.Linear(8, 3), nn.Linear(8, 3).requires_grad_(False)
 
     def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
         h = torch.relu(self.bn(self.trunk(x)))
         hb = self.b(h)
         out = self.a(h) + (hb if use_b else 0)
-        return self.head(out)
+        return self.head(out) + self.frozen(out)
 
 
 def check_unused(pg, strategy="zero3", *, steps=3, b=5) -> dict:
@@ -336,6 +338,38 @@ def test_unused_unit(strategy):
     for res in run_threads(lambda pg: check_unused(pg, strategy), 3, timeout=60):
         assert res["err"] < TOL, res["err"]
         assert res["never_grad_is_none"] and res["ref_never_grad_is_none"]
+
+
+class _Tied(nn.Module):
+    """Two layers sharing one weight: one unit, one slot, two state-dict keys."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def _tied_model(seed: int) -> nn.Module:
+    with _INIT_LOCK, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(D_IN, D), _Tied(), _Tied(), nn.Linear(D, D_OUT))
+
+
+@pytest.mark.parametrize("wrap, model, units", [
+    ((Block, nn.Linear), None, 8),            # nested: each Block's Linear a unit of its own
+    (nn.LayerNorm, None, 4),
+    (lambda m: isinstance(m, nn.Linear) and m.in_features == D, None, 5),
+    (None, None, 1),                          # the whole model one unit
+    (_Tied, _tied_model, 3),                  # tied weights inside a unit
+], ids=["nested", "class", "predicate", "none", "tied"])
+def test_wrap_forms(wrap, model, units):
+    res = run_threads(lambda pg: check_equivalence(pg, "zero3", "adam", wrap=wrap,
+                                                   model=model), 3, timeout=60)
+    assert all(r["err"] < TOL for r in res), [r["err"] for r in res]
+    assert res[0]["units"] == units
 
 
 def test_buffers():
