@@ -242,52 +242,84 @@ class _Recorder:
         return work
 
 
-class _SlowLinear(nn.Linear):
-    """A Linear whose forward sleeps, then notes which all_gathers had completed."""
+def _note(recorder: _Recorder, log: list) -> None:
+    """Sleep (the unit computing), then note how many all_gathers had been issued when it
+    began and which had completed by its end."""
+    issued = len(recorder.works)
+    time.sleep(0.15)
+    log.append((issued, [w is None or w.is_completed() for w in recorder.works]))
 
-    def __init__(self, d: int, recorder: _Recorder, log: list) -> None:
+
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, recorder, log):
+        ctx.recorder, ctx.log = recorder, log
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _note(ctx.recorder, ctx.log)
+        return grad, None, None
+
+
+class _SlowLinear(nn.Linear):
+    """A Linear whose forward and backward are slow and leave notes (see _note)."""
+
+    def __init__(self, d: int, recorder: _Recorder, logs: tuple) -> None:
         super().__init__(d, d)
-        self.recorder, self.log = recorder, log
+        self.recorder, self.logs = recorder, logs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        issued_at_start = len(self.recorder.works)
-        time.sleep(0.15)
-        self.log.append((issued_at_start,
-                         [w is None or w.is_completed() for w in self.recorder.works]))
-        return super().forward(x)
+        _note(self.recorder, self.logs[0])
+        return _SlowBackward.apply(super().forward(x), self.recorder, self.logs[1])
 
 
-def check_prefetch(pg, prefetch: bool, units: int = 4) -> list:
-    recorder, log = _Recorder(pg), []
+def check_prefetch(pg, prefetch: bool, units: int = 4) -> tuple:
+    recorder, logs = _Recorder(pg), ([], [])
     with _INIT_LOCK:
         torch.manual_seed(0)
-        model = nn.Sequential(*[_SlowLinear(64, recorder, log) for _ in range(units)])
+        model = nn.Sequential(*[_SlowLinear(64, recorder, logs) for _ in range(units)])
     fsdp = FSDP(model, recorder, wrap=_SlowLinear, prefetch=prefetch)
     recorder.works.clear()
     fsdp(torch.randn(2, 64)).sum().backward()
-    return log[:units]  # the forward's entries (backward does not call forward)
+    return logs   # (forward notes of units 0..3, backward notes of units 3..0)
 
 
 def _all_spawned_checks(pg) -> dict:
     """What one real job per backend checks (the thread world covers the rest)."""
     out = {}
-    for strategy in ("zero3", "zero2", "zero1"):
-        for optim in ("sgd", "adam"):
-            res = check_equivalence(pg, strategy, optim)
-            out[f"{strategy}_{optim}"] = {"err": res["err"], "digest": res["digest"].tolist()}
+    for strategy, optim in (("zero3", "sgd"), ("zero3", "adam"), ("zero2", "adam"),
+                            ("zero1", "sgd")):
+        res = check_equivalence(pg, strategy, optim)
+        out[f"{strategy}_{optim}"] = {"err": res["err"], "digest": res["digest"].tolist()}
     out["no_sync"] = check_equivalence(pg, micro=3, steps=3)["err"]
     out["unused"] = check_unused(pg)["err"]
     return out
 
 
 def _spawned_job() -> dict:
+    """The checks on the world, then on sub-groups of its first ranks down to 2 (FSDP over
+    a sub-group, as over a mesh's data-parallel dimension): every world size up to the
+    job's in one job. Returns {world size: this rank's results}."""
     pg = collectives.init_process_group()
     try:
-        res = _all_spawned_checks(pg)
+        out = {pg.size: _all_spawned_checks(pg)}
+        for size in range(pg.size - 1, 1, -1):
+            if pg.rank < size:
+                sub = pg.new_group(list(range(size)))
+                try:
+                    out[size] = _all_spawned_checks(sub)
+                finally:
+                    sub.close()
         pg.barrier()
-        return res
+        return out
     finally:
         pg.close()
+
+
+def _assert_job(results: list) -> None:
+    for size in range(2, len(results) + 1):
+        _assert_spawned([r[size] for r in results[:size]])
 
 
 def _assert_spawned(results: list) -> None:
@@ -399,16 +431,21 @@ def test_memory(n):
         assert r["mem"]["full_params"] >= r["total_bytes"]
 
 
-def test_prefetch_overlaps_forward():
+def test_prefetch_overlaps_compute():
     """With prefetch, unit k + 1's all_gather was issued before unit k computed and had
-    completed by the end of unit k's forward; without, it was not even issued."""
-    for log in run_threads(lambda pg: check_prefetch(pg, True), 2, timeout=60):
-        for k, (issued, done) in enumerate(log[:-1]):
+    completed by the end of unit k's forward; without, it was not even issued. Likewise
+    in backward for unit k - 1 (all_gathers 0-3 are the forward's, 4-7 the backward's,
+    unit 3 first)."""
+    for fwd, bwd in run_threads(lambda pg: check_prefetch(pg, True), 2, timeout=60):
+        for k, (issued, done) in enumerate(fwd[:-1]):
             assert issued >= k + 2, (k, issued)     # gathers of units 0..k+1 issued
             assert all(done[:k + 2]), (k, done)     # ... and completed by now
-    for log in run_threads(lambda pg: check_prefetch(pg, False), 2, timeout=60):
-        for k, (issued, _) in enumerate(log):
-            assert issued == k + 1, (k, issued)
+        for p, (issued, done) in enumerate(bwd[:-1]):
+            assert issued >= 4 + p + 2, (p, issued)
+            assert all(done[:4 + p + 2]), (p, done)
+    for fwd, bwd in run_threads(lambda pg: check_prefetch(pg, False), 2, timeout=60):
+        assert [issued for issued, _ in fwd] == [1, 2, 3, 4]
+        assert [issued for issued, _ in bwd] == [5, 6, 7, 8]
 
 
 def _train_steps(fsdp, opt, steps: int, n: int, r: int, seed: int) -> None:
@@ -518,15 +555,18 @@ def _spawnable_backends() -> list:
 
 
 @pytest.mark.parametrize("backend, nproc",
-                         [("shm", 2)] + [(b, 3) for b in _spawnable_backends() if b != "shm"])
+                         [("shm", 4)] + [(b, 2) for b in _spawnable_backends() if b != "shm"])
 def test_spawned(backend, nproc):
+    """One job per backend (starting ranks is the expensive part): shm, the default, at
+    world sizes 4, 3 and 2 (sub-groups); the others at 2 (the thread world and shm cover
+    the larger sizes; ``_spawned_job`` at 3 ranks would add 3 and 2)."""
     if backend != "shm":
         try:
             collectives.get_backend(backend)
         except ImportError as exc:
             pytest.skip(f"backend {backend} does not import: {exc}")
-    _assert_spawned(collectives.spawn(_spawned_job, nproc, backend=backend, timeout=60,
-                                      join_timeout=150))
+    _assert_job(collectives.spawn(_spawned_job, nproc, backend=backend, timeout=60,
+                                  join_timeout=150))
 
 
 MPIEXEC = shutil.which(os.environ.get("MPIEXEC") or "mpiexec") or shutil.which("mpirun")
@@ -542,7 +582,7 @@ def test_under_mpiexec():
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("[")]
     assert len(lines) == 1, proc.stdout
-    _assert_spawned(lines[0])
+    _assert_spawned([r["2"] for r in lines[0]])      # (JSON keys are strings)
 
 
 # ------------------------------------------------------------------ single-process API
@@ -620,8 +660,12 @@ def _run_example(*args, timeout, launcher=()):
 
 
 def test_example_smoke(tmp_path):
+    """One epoch with a trace; under mpiexec where there is one (it starts ranks faster
+    than spawning them; the slow tests run the spawned default)."""
     trace = tmp_path / "trace.json"
-    summary, _ = _run_example("--epochs", "1", "--trace", str(trace), timeout=120)
+    launcher = (MPIEXEC, "-n", "2") if MPIEXEC else ()
+    summary, _ = _run_example("--epochs", "1", "--trace", str(trace), timeout=120,
+                              launcher=launcher)
     assert summary["example"] == "fsdp" and summary["world_size"] == 2
     assert summary["final_acc"] > 0.7
     events = json.loads(trace.read_text())["traceEvents"]
@@ -650,7 +694,7 @@ def test_example_reaches_accuracy(args):
 if __name__ == "__main__" and "--job" in sys.argv:   # the mpiexec job of test_under_mpiexec
     torch.set_num_threads(1)
     _pg = collectives.init_process_group()
-    _mine = _all_spawned_checks(_pg)
+    _mine = {_pg.size: _all_spawned_checks(_pg)}
     _everyone = _pg.all_gather_object(_mine)
     if _pg.rank == 0:
         print(json.dumps(_everyone), flush=True)
