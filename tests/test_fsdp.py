@@ -506,14 +506,16 @@ def test_full_state_dict_round_trip():
     assert run_threads(body, 3, timeout=60) == [0.0, 0.0, 0.0]
 
 
-def test_bf16_param_dtype_within_autocast_tolerance():
+@pytest.mark.parametrize("strategy", ["zero3", "zero2", "zero1"])
+def test_bf16_param_dtype_within_autocast_tolerance(strategy):
     """bf16 compute and reduction, fp32 master shards: as far from the fp32 run as one
     process under bf16 autocast is (within a factor), and much closer than random."""
     steps = 5
 
     def body(pg):
         n, r = pg.size, pg.rank
-        fsdp = FSDP(_model(100 + r), pg, wrap=Block, param_dtype=torch.bfloat16)
+        fsdp = FSDP(_model(100 + r), pg, wrap=Block, param_dtype=torch.bfloat16,
+                    strategy=strategy)
         opt = _SGD(fsdp.parameters(), lr=0.05)
         gen = torch.Generator().manual_seed(7)
         for _ in range(steps):
