@@ -83,7 +83,7 @@ def _parse():
     # The common options, plus this example's two; parsed in two passes so that the
     # shared parser in examples/common stays as it is.
     import argparse
-    extra = argparse.ArgumentParser(add_help=False)
+    extra = argparse.ArgumentParser(prog="examples/fsdp.py", add_help=False)
     extra.add_argument("--strategy", choices=("zero1", "zero2", "zero3"), default="zero3")
     extra.add_argument("--param-dtype", choices=tuple(DTYPES), default="float32")
     known, rest = extra.parse_known_args()
