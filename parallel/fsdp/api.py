@@ -222,7 +222,10 @@ class FullyShardedDataParallel(nn.Module):
     def _make_post_forward(self, unit: Unit):
         def hook(module: nn.Module, args: tuple, output: Any):
             grad = torch.is_grad_enabled()
-            if not grad or self.reshard_after_forward:
+            # The unit expected last keeps its copy: its backward comes first (as FSDP2
+            # keeps the root's), which saves an all_gather per step.
+            last = grad and self._order.after(unit) is None and unit is self._order.guess()[-1]
+            if not grad or (self.reshard_after_forward and not last):
                 unit.reshard()
             if not grad:
                 return output
