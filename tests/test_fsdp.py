@@ -4,7 +4,9 @@ The checks are functions of a process group, run in the in-process thread world 
 ``collectives.testing`` (fast; world sizes 2, 3, 4) and, a few at once, in one real job
 per backend (``collectives.spawn`` for shm, zmq, gloo; ``mpiexec`` for mpi). The
 reference is always one plain process: the same initial weights, the whole batch, the
-mean loss. Models are built under a lock: thread ranks share torch's global RNG.
+mean loss. Thread ranks share torch's global RNG: models are built under a lock, and
+data comes from explicit generators (a draw from the global RNG on one thread while
+another builds a model would change that model).
 """
 
 from __future__ import annotations
@@ -214,7 +216,7 @@ def check_memory(pg, strategy="zero3", units=8, width=24) -> dict:
     unit_numel = width * width + width
     fsdp = FSDP(model, pg, wrap=nn.Linear, strategy=strategy)
     opt = torch.optim.Adam(fsdp.parameters(), lr=1e-3)
-    x = torch.randn(4, width)
+    x = torch.randn(4, width, generator=torch.Generator().manual_seed(1))
     peaks = []
     for _ in range(2):
         fsdp.reset_peak_memory()
@@ -281,7 +283,7 @@ def check_prefetch(pg, prefetch: bool, units: int = 4) -> tuple:
         model = nn.Sequential(*[_SlowLinear(64, recorder, logs) for _ in range(units)])
     fsdp = FSDP(model, recorder, wrap=_SlowLinear, prefetch=prefetch)
     recorder.works.clear()
-    fsdp(torch.randn(2, 64)).sum().backward()
+    fsdp(torch.randn(2, 64, generator=torch.Generator().manual_seed(1))).sum().backward()
     return logs   # (forward notes of units 0..3, backward notes of units 3..0)
 
 
@@ -492,7 +494,7 @@ def test_full_state_dict_round_trip():
         fsdp = FSDP(_model(1 + pg.rank), pg, wrap=Block, strategy="zero2")
         target = _model(42).state_dict()
         fsdp.load_full_state_dict(target)
-        fsdp(torch.randn(2, D_IN))            # zero2: the resident copy is regathered
+        fsdp(torch.ones(2, D_IN))          # zero2: the resident copy is regathered
         out = _max_err(fsdp.full_state_dict(), target)
         with pytest.raises(ValueError, match="missing"):
             fsdp.load_full_state_dict({k: v for k, v in target.items() if k != "0.bias"})

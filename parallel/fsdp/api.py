@@ -224,8 +224,7 @@ class FullyShardedDataParallel(nn.Module):
             grad = torch.is_grad_enabled()
             # The unit expected last keeps its copy: its backward comes first (as FSDP2
             # keeps the root's), which saves an all_gather per step.
-            last = grad and self._order.after(unit) is None and unit is self._order.guess()[-1]
-            if not grad or (self.reshard_after_forward and not last):
+            if not grad or (self.reshard_after_forward and not self._order.is_last(unit)):
                 unit.reshard()
             if not grad:
                 return output

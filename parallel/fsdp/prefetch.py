@@ -43,6 +43,12 @@ class ForwardOrder:
         self.previous: Optional[list[Unit]] = None
         self.current: list[Unit] = []
         self._seen: set[int] = set()
+        self._next = self._successors(self.registration)
+
+    @staticmethod
+    def _successors(order: list[Unit]) -> dict[int, Optional[Unit]]:
+        return {u.index: (order[i + 1] if i + 1 < len(order) else None)
+                for i, u in enumerate(order)}
 
     def record(self, unit: Unit) -> None:
         if unit.index not in self._seen:
@@ -59,16 +65,18 @@ class ForwardOrder:
 
     def after(self, unit: Unit) -> Optional[Unit]:
         """The unit expected to run after ``unit`` (None: the last, or unknown)."""
+        return self._next.get(unit.index)
+
+    def is_last(self, unit: Unit) -> bool:
+        """``unit`` is expected to be the last to run."""
         order = self.guess()
-        for i, u in enumerate(order):
-            if u is unit:
-                return order[i + 1] if i + 1 < len(order) else None
-        return None
+        return bool(order) and order[-1] is unit
 
     def end_step(self) -> None:
         """The backward pass ended: this step's order is the guess for the next one."""
         if self.current:
             self.previous = self.current
+            self._next = self._successors(self.previous)
         self.current, self._seen = [], set()
 
 

@@ -108,12 +108,14 @@ class Unit:
             self.flat.install_views()
 
     def reshard(self) -> None:
-        """Free the full copy (zero3 only: zero1 and zero2 keep it)."""
-        if self.strategy != "zero3" or not self.flat.allocated:
-            return
-        if self._gather_work is not None:  # a prefetch that was never used
+        """Free the full copy (zero3 only: zero1 and zero2 keep it). A prefetch that was
+        never used is waited for first, in every strategy: nothing may still be reading
+        the shard when the optimizer steps."""
+        if self._gather_work is not None:
             self._gather_work.wait()
             self._gather_work = self._gather_input = None
+        if self.strategy != "zero3" or not self.flat.allocated:
+            return
         self.flat.free()
         self.meter.sub(self.flat.full_bytes)
 
