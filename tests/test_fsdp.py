@@ -436,18 +436,18 @@ def test_memory(n):
 def test_prefetch_overlaps_compute():
     """With prefetch, unit k + 1's all_gather was issued before unit k computed and had
     completed by the end of unit k's forward; without, it was not even issued. Likewise
-    in backward for unit k - 1 (all_gathers 0-3 are the forward's, 4-6 the backward's
-    for units 2, 1, 0: the last unit keeps its copy from its forward to its backward)."""
+    in backward for unit k - 1 (all_gathers 0-3 are the forward's, 4-7 the backward's,
+    unit 3 first)."""
     for fwd, bwd in run_threads(lambda pg: check_prefetch(pg, True), 2, timeout=60):
         for k, (issued, done) in enumerate(fwd[:-1]):
             assert issued >= k + 2, (k, issued)     # gathers of units 0..k+1 issued
             assert all(done[:k + 2]), (k, done)     # ... and completed by now
         for p, (issued, done) in enumerate(bwd[:-1]):   # unit 3 - p's backward
-            assert issued >= 4 + p + 1, (p, issued)
-            assert all(done[:4 + p + 1]), (p, done)
+            assert issued >= 4 + p + 2, (p, issued)      # ... and unit 2 - p's gather
+            assert all(done[:4 + p + 2]), (p, done)
     for fwd, bwd in run_threads(lambda pg: check_prefetch(pg, False), 2, timeout=60):
         assert [issued for issued, _ in fwd] == [1, 2, 3, 4]
-        assert [issued for issued, _ in bwd] == [4, 5, 6, 7]
+        assert [issued for issued, _ in bwd] == [5, 6, 7, 8]
 
 
 def _train_steps(fsdp, opt, steps: int, n: int, r: int, seed: int) -> None:

@@ -222,9 +222,7 @@ class FullyShardedDataParallel(nn.Module):
     def _make_post_forward(self, unit: Unit):
         def hook(module: nn.Module, args: tuple, output: Any):
             grad = torch.is_grad_enabled()
-            # The unit expected last keeps its copy: its backward comes first (as FSDP2
-            # keeps the root's), which saves an all_gather per step.
-            if not grad or (self.reshard_after_forward and not self._order.is_last(unit)):
+            if not grad or self.reshard_after_forward:
                 unit.reshard()
             if not grad:
                 return output

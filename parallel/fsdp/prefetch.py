@@ -67,11 +67,6 @@ class ForwardOrder:
         """The unit expected to run after ``unit`` (None: the last, or unknown)."""
         return self._next.get(unit.index)
 
-    def is_last(self, unit: Unit) -> bool:
-        """``unit`` is expected to be the last to run."""
-        order = self.guess()
-        return bool(order) and order[-1] is unit
-
     def end_step(self) -> None:
         """The backward pass ended: this step's order is the guess for the next one."""
         if self.current:
