@@ -52,6 +52,11 @@ _LOW_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 class FullyShardedDataParallel(nn.Module):
     """Shard ``module``'s parameters over ``group``, unit by unit.
 
+    Two ranks, ``nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))`` with ``wrap=nn.Linear``:
+    two units of 15 and 8 elements; rank 0 holds elements 0-7 and 0-3 of them, rank 1
+    elements 8-14 (plus one padding zero) and 4-7. ``list(model.parameters())`` is those
+    two shards; ``model.full_state_dict()["0.weight"]`` the whole (3, 4) weight on both.
+
     Args:
         module: the model, the same (names, shapes) on every rank; rank 0's values are
             broadcast at construction.
