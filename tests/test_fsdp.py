@@ -559,11 +559,12 @@ def _spawnable_backends() -> list:
 
 
 @pytest.mark.parametrize("backend, nproc",
-                         [("shm", 4)] + [(b, 2) for b in _spawnable_backends() if b != "shm"])
+                         [("shm", 3)] + [(b, 2) for b in _spawnable_backends() if b != "shm"]
+                         + [pytest.param("shm", 4, marks=pytest.mark.slow)])
 def test_spawned(backend, nproc):
     """One job per backend (starting ranks is the expensive part): shm, the default, at
-    world sizes 4, 3 and 2 (sub-groups); the others at 2 (the thread world and shm cover
-    the larger sizes; ``_spawned_job`` at 3 ranks would add 3 and 2)."""
+    world sizes 3 and 2 (a sub-group), and 4, 3, 2 in the slow set; the others at 2 (the
+    thread world covers 2, 3 and 4 on every strategy)."""
     if backend != "shm":
         try:
             collectives.get_backend(backend)
