@@ -650,6 +650,36 @@ def test_parallel_fsdp_imports_no_transport():
                     f"{path.name} imports {name}"
 
 
+def test_failed_reduce_surfaces_in_backward_and_resets():
+    """A reduce_scatter whose Work fails: loss.backward() raises it; the next step runs
+    clean (one rank: every collective is local) and equals one process."""
+    class Failing:
+        def wait(self, timeout=None):
+            raise collectives.PeerError("rank 1 hung up")
+
+    def body(pg):
+        recorder = _Recorder(pg)
+        fsdp = FSDP(_model(3), recorder, wrap=Block)
+        ref = _model(3)
+        real = recorder.reduce_scatter
+        recorder.reduce_scatter = lambda *a, **k: (real(*a, **k), Failing())[1]
+        x = torch.ones(2, D_IN)
+        with pytest.raises(collectives.PeerError, match="hung up"):
+            fsdp(x).sum().backward()
+        recorder.reduce_scatter = real
+        for p in fsdp.parameters():
+            p.grad = None
+        fsdp(x).sum().backward()
+        ref(x).sum().backward()
+        grads = {k: v for k, v in zip([u.name for u in fsdp.units],
+                                      [u.flat.shard.grad for u in fsdp.units])}
+        full = torch.cat([p.grad.reshape(-1) for p in ref[1].parameters()])
+        return (grads["1"][:full.numel()] - full).abs().max().item(), fsdp.memory()
+
+    err, mem = run_threads(body, 1)[0]
+    assert err < 1e-6 and mem["full_params"] == 0
+
+
 # ------------------------------------------------------------------ the example
 def _run_example(*args, timeout, launcher=()):
     env = dict(os.environ, PYTHONPATH=str(ROOT))

@@ -294,23 +294,33 @@ class FullyShardedDataParallel(nn.Module):
                     unit.finish_reduce()
                 for unit in self.units:
                     unit.ran_forward = False
-        finally:
-            self._plan, self._pass_sync, self._pass_task = None, None, None
-            for unit in self.units:
-                unit.reset_pass()
-                unit.reshard()
-            self._order.end_step()
+        except BaseException:
+            self._reset_pass(quiet=True)   # the error that matters is this one
+            raise
+        self._reset_pass(quiet=False)
 
     def _abandon_pass(self) -> None:
         """A backward pass that raised midway (its callback never ran): wait for what it
         left in flight, so no late write lands in the next step."""
-        plan, self._plan, self._pass_sync, self._pass_task = self._plan, None, None, None
-        for unit in plan.reduce_order if plan is not None else []:
-            unit.drop_reduce()
+        self._reset_pass(quiet=True)
+
+    def _reset_pass(self, *, quiet: bool) -> None:
+        """Back to between steps: no reduction or gather in flight, zero3 copies freed.
+        ``quiet``: after a failure, errors of what is waited for here are not raised."""
+        self._plan, self._pass_sync, self._pass_task = None, None, None
+        error = None
         for unit in self.units:
             unit.reset_pass()
-            unit.reshard()
+            if quiet:                       # a failed pass: what it accumulated is lost
+                unit.ran_forward = False
+            for step in (unit.drop_reduce, unit.reshard):   # each, whatever the other did
+                try:
+                    step()
+                except BaseException as exc:  # noqa: BLE001 - re-raised below unless quiet
+                    error = error or exc
         self._order.end_step()
+        if error is not None and not quiet:
+            raise error
 
     # --------------------------------------------------------------- state, memory
     def full_state_dict(self) -> dict:

@@ -170,11 +170,9 @@ class Unit:
 
     def drop_reduce(self) -> None:
         """Forget a reduction in flight (the pass failed); wait so nothing writes later."""
-        if self._reduce is not None:
-            try:
-                self._reduce[0].wait()
-            finally:
-                self._reduce = None
+        work, self._reduce = (self._reduce or (None,))[0], None
+        if work is not None:
+            work.wait()
 
     def reset_pass(self) -> None:
         self.grad_ready = False
