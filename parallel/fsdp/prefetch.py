@@ -24,6 +24,9 @@ Backward
 Gradients
     units reduce in schedule order, strictly (a ready unit waits for the ones before it),
     as DDP's buckets launch in bucket order, and the root's leftover parameters last.
+    Where a reduction falls between the gathers follows autograd's execution order, the
+    same on every rank for the same graph: so the ranks must also run the same backward
+    structure (as with PyTorch's FSDP).
 """
 
 from __future__ import annotations
