@@ -6,8 +6,9 @@ or ``torch.distributed``.
 
 from .bucket import Bucket, assign_buckets
 from .ddp import DDP, DistributedDataParallel
+from .fsdp import FSDP, FullyShardedDataParallel
 from .sampler import ShardSampler
 from . import tp  # parallel.tp: tensor parallelism, a package
 
-__all__ = ["DDP", "Bucket", "DistributedDataParallel", "ShardSampler", "assign_buckets"]
-__all__ += ["tp"]
+__all__ = ["DDP", "FSDP", "Bucket", "DistributedDataParallel", "FullyShardedDataParallel",
+           "ShardSampler", "assign_buckets", "tp"]

@@ -1,0 +1,237 @@
+"""Training throughput and memory of parallel.FSDP on every backend next to torch's own
+FSDP2 (``torch.distributed.fsdp.fully_shard``) on gloo, in one run.
+
+    python benchmarks/fsdp_vs_torch.py                       # 2 ranks: ours on shm, zmq,
+                                                             # gloo, mpi; FSDP2 on gloo
+    python benchmarks/fsdp_vs_torch.py --world 2,4 --backends shm --steps 300
+    python benchmarks/fsdp_vs_torch.py --json fsdp.json
+
+The model and batch of ``examples/fsdp.py``: its MNIST MLP (``build_mlp``), each
+``nn.Linear`` a unit (``fully_shard`` on each, then on the root, for FSDP2), 32 images per
+rank per step, SGD with momentum 0.9, on the bundled MNIST images, zero3 (parameters
+resharded after forward, prefetch on). Each rank runs ``--warmup`` untimed steps, a
+barrier, then ``--steps`` timed steps; a run's time is its slowest rank's. Every case runs
+``--repeat`` times in fresh processes, the cases taking turns round by round, and the
+median is reported, as samples per second and as the ratio to FSDP2 at the same world
+size (above 1: ours trains faster). Memory: each rank's peak resident set (``ru_maxrss``,
+the largest rank's, MiB: the same measure for both), and for ours also the peak bytes of
+gathered full parameters that ``FSDP.memory()`` accounts.
+
+Backend ``mpi`` runs under ``mpiexec`` (this script re-executes itself with a hidden
+``--mpi-rank`` flag); without mpiexec or mpi4py, or a backend not installed, a case is
+skipped with the reason.
+
+This file may import torch.distributed: it is a benchmark, not part of ``parallel/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import collectives  # noqa: E402
+from collectives.mpiexec import MpiexecUnavailable, find_mpiexec  # noqa: E402
+from examples.common.harness import build_mlp  # noqa: E402
+from examples.common.mnist import load_mnist  # noqa: E402
+
+BATCH, LR, SEED = 32, 0.05, 0
+
+
+def _train(model: nn.Module, rank: int, batch: int, steps: int, warmup: int,
+           barrier: Callable[[], None]) -> float:
+    """Seconds for ``steps`` steps on this rank, after ``warmup`` untimed ones and a barrier."""
+    x, y = map(torch.from_numpy, load_mnist(None, "train"))
+    gen = torch.Generator().manual_seed(rank)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    batches = [torch.randint(0, len(x), (batch,), generator=gen) for _ in range(16)]
+    start = 0.0
+    for i in range(warmup + steps):
+        if i == warmup:
+            barrier()
+            start = time.perf_counter()
+        idx = batches[i % len(batches)]
+        loss = F.cross_entropy(model(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return time.perf_counter() - start
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def run_ours(backend: str, threads: int, batch: int, steps: int, warmup: int) -> list:
+    """One rank of parallel.FSDP; returns [slowest seconds, max peak RSS MiB, full-param
+    peak bytes]."""
+    from collectives import ReduceOp
+    from parallel import FSDP
+    torch.set_num_threads(threads)
+    pg = collectives.init_process_group(backend, timeout=300)
+    model = FSDP(build_mlp(SEED), pg, wrap=nn.Linear)
+    seconds = _train(model, pg.rank, batch, steps, warmup, pg.barrier)
+    out = torch.tensor([seconds, _peak_rss_mib(), model.memory()["full_params_peak"]],
+                       dtype=torch.float64)
+    pg.all_reduce(out, ReduceOp.MAX)
+    pg.close()
+    return out.tolist()
+
+
+def run_torch(threads: int, batch: int, steps: int, warmup: int) -> list:
+    """One rank of torch's FSDP2 on gloo; [slowest seconds, max peak RSS MiB, None]."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = build_mlp(SEED)
+    for module in model:
+        if isinstance(module, nn.Linear):
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    seconds = _train(model, dist.get_rank(), batch, steps, warmup, dist.barrier)
+    out = torch.tensor([seconds, _peak_rss_mib()], dtype=torch.float64)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    dist.destroy_process_group()
+    return out.tolist() + [None]
+
+
+def _mpiexec() -> tuple[Optional[str], str]:
+    try:
+        return find_mpiexec(), ""
+    except MpiexecUnavailable as exc:
+        return None, str(exc)
+
+
+def run_mpi(n: int, work: tuple, timeout: float) -> list:
+    """parallel.FSDP on the mpi backend, ``n`` ranks started by mpiexec."""
+    program, why = _mpiexec()
+    if program is None:
+        raise RuntimeError(why)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = str(work[0])
+    command = [program, "-n", str(n), sys.executable, __file__, "--mpi-rank",
+               json.dumps(list(work))]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+    found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not found:
+        raise RuntimeError(f"{' '.join(command)} exited with code {proc.returncode}:\n"
+                           f"{(proc.stdout + proc.stderr)[-3000:]}")
+    return json.loads(found[-1][len("RESULT "):])
+
+
+def _mpi_rank(work_json: str) -> int:
+    result = run_ours("mpi", *json.loads(work_json))
+    if collectives.detect_rendezvous().rank == 0:
+        print(f"RESULT {json.dumps(result)}", flush=True)
+    return 0
+
+
+def _unavailable(backend: str) -> Optional[str]:
+    if backend not in collectives.available_backends():
+        return f"backend {backend!r} is not installed"
+    if backend == "mpi":
+        return _mpiexec()[1] or None
+    return None
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--world", default="2", help="world sizes, comma separated")
+    p.add_argument("--backends", default="shm,zmq,gloo,mpi",
+                   help="backends for parallel.FSDP, comma separated")
+    p.add_argument("--batch-size", type=int, default=BATCH, help="per rank")
+    p.add_argument("--steps", type=int, default=200, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=20, help="untimed steps before them")
+    p.add_argument("--threads", type=int, default=1, help="compute threads per rank")
+    p.add_argument("--repeat", type=int, default=3, help="runs per case (median reported)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
+    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    p.add_argument("--mpi-rank", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.mpi_rank:
+        return _mpi_rank(a.mpi_rank)
+    if a.repeat < 1 or a.steps < 1:
+        p.error("--repeat and --steps must be at least 1")
+
+    worlds = [int(v) for v in a.world.split(",") if v]
+    cases: list[tuple[str, str, int]] = []
+    for backend in (b for b in a.backends.split(",") if b):
+        why = _unavailable(backend)
+        if why:
+            print(f"# parallel.FSDP on {backend}: skipped, {why}", flush=True)
+            continue
+        cases += [("parallel.FSDP", backend, n) for n in worlds]
+    cases += [("torch FSDP2", "gloo", n) for n in worlds]
+    work = (a.threads, a.batch_size, a.steps, a.warmup)
+    env = {"OMP_NUM_THREADS": str(a.threads)}
+    print(f"# examples/fsdp.py's MNIST MLP (each nn.Linear a unit), zero3, batch "
+          f"{a.batch_size}/rank, {a.steps} timed steps after {a.warmup}, {a.threads} "
+          f"thread(s)/rank, median of {a.repeat} runs; load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
+
+    results: dict[tuple, list[list]] = {case: [] for case in cases}
+    for _ in range(a.repeat):  # round by round: every case once per round
+        for case in cases:
+            impl, backend, n = case
+            if impl == "torch FSDP2":
+                res = collectives.spawn(run_torch, n, args=work, env=env,
+                                        join_timeout=a.timeout)[0]
+            elif backend == "mpi":
+                res = run_mpi(n, work, a.timeout)
+            else:
+                res = collectives.spawn(run_ours, n, args=(backend, *work), env=env,
+                                        join_timeout=a.timeout)[0]
+            results[case].append(res)
+
+    rows = []
+    for (impl, backend, n), runs in results.items():
+        median = statistics.median(r[0] for r in runs)
+        full_peak = runs[0][2]
+        rows.append({"impl": impl, "backend": backend, "world_size": n, "steps": a.steps,
+                     "batch_per_rank": a.batch_size, "ms_per_step": median / a.steps * 1e3,
+                     "samples_per_s": a.steps * a.batch_size * n / median,
+                     "samples_per_s_runs": [a.steps * a.batch_size * n / r[0] for r in runs],
+                     "peak_rss_mib": max(r[1] for r in runs),
+                     "full_params_peak_bytes": None if full_peak is None else int(full_peak)})
+    torch_rate = {r["world_size"]: r["samples_per_s"] for r in rows
+                  if r["impl"] == "torch FSDP2"}
+    for r in rows:
+        if r["world_size"] in torch_rate:
+            r["ratio_to_torch_fsdp2"] = r["samples_per_s"] / torch_rate[r["world_size"]]
+
+    print(f"{'impl':<15}{'backend':<9}{'world':>6}{'ms/step':>10}{'samples/s':>12}"
+          f"{'vs FSDP2':>10}{'peak RSS MiB':>14}{'full params peak':>18}   samples/s of runs")
+    for r in rows:
+        ratio = r.get("ratio_to_torch_fsdp2")
+        full = r["full_params_peak_bytes"]
+        print(f"{r['impl']:<15}{r['backend']:<9}{r['world_size']:>6}{r['ms_per_step']:>10.3f}"
+              f"{r['samples_per_s']:>12.1f}{'' if ratio is None else f'{ratio:.3f}':>10}"
+              f"{r['peak_rss_mib']:>14.1f}{'-' if full is None else f'{full:,} B':>18}   "
+              f"{' '.join(f'{s:.0f}' for s in r['samples_per_s_runs'])}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
