@@ -1012,6 +1012,11 @@ def _open_store(key: tuple, rendezvous: Rendezvous, timeout: float, world: int) 
         remaining = max(0.001, deadline - time.monotonic())
         store = connect(remaining)
         try:
+            if world > 0 and store.check([f"{_RELEASED_KEY}{world - 1}"]):
+                # The server of the last world, which rank 0 lets go once every rank
+                # left it: do not wait on it (a wait broken by its stop makes torch print
+                # a warning with a C++ stack); come back for the next one.
+                raise RuntimeError(f"rank 0 still serves world {world - 1} at this port")
             store.wait([f"{_OPEN_KEY}{world}"], datetime.timedelta(seconds=remaining))
             store.set_timeout(datetime.timedelta(seconds=timeout))
             return _Meeting(key, store, serving=False, handshake=True)
