@@ -15,15 +15,17 @@ from .checker import ScheduleError, check_schedule, simulate
 from .lowering import lower
 from .picture import draw_png, text_grid, timeline_from_trace
 from .runtime import (PipelineSchedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                      ScheduleZeroBubble, idle_fraction)
+                      ScheduleZeroBubble)
 from .schedules import (SCHEDULES, bubble_fraction, gpipe, interleaved_1f1b, one_f_one_b,
                         timed, zb_h1)
 from .split import split_sequential
+from .timing import idle_fraction, pipeline_bubble, replay
 from .stage import PipelineStage
 
 __all__ = ["Action", "PipelineSchedule", "PipelineStage", "SCHEDULES", "Schedule1F1B",
            "ScheduleError", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleZeroBubble",
            "bubble_fraction", "check_schedule", "draw_png", "gpipe", "idle_fraction",
-           "interleaved_1f1b", "lower", "one_f_one_b", "parse_action", "simulate",
+           "interleaved_1f1b", "lower", "one_f_one_b", "parse_action", "pipeline_bubble",
+           "replay", "simulate",
            "split_sequential", "stage_rank", "text_grid", "timed", "timeline_from_trace",
            "zb_h1"]

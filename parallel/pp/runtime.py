@@ -34,7 +34,7 @@ from .schedules import gpipe, interleaved_1f1b, one_f_one_b, zb_h1
 from .stage import PipelineStage
 
 __all__ = ["PipelineSchedule", "Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B",
-           "ScheduleZeroBubble", "idle_fraction"]
+           "ScheduleZeroBubble"]
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
@@ -89,70 +89,79 @@ class PipelineSchedule:
         Both ranks of a 2-stage pipeline: ``losses = sched.step(x if rank == 0 else None,
         target=y if rank == 1 else None)``; rank 1 gets M losses, rank 0 ``None``.
         """
-        M = self.n_microbatches
-        inputs = self._split_batch(x, "x") if 0 in self.stages else None
-        last = self.num_stages - 1
-        targets = self._split_batch(target, "target") if last in self.stages else None
-        losses: list[Optional[torch.Tensor]] = [None] * M
-        self._posted: dict[Action, tuple] = {}   # receive -> (buffer, Work)
-        self._deferred: list[Action] = []        # receives whose shape is not known yet
-        handed: dict[tuple, torch.Tensor] = {}  # local hand-offs between a rank's stages
-        outputs: dict[tuple, torch.Tensor] = {}
-        grads: dict[tuple, Optional[torch.Tensor]] = {}
+        M, last = self.n_microbatches, self.num_stages - 1
+        self._inputs = self._split_batch(x, "x") if 0 in self.stages else None
+        self._targets = self._split_batch(target, "target") if last in self.stages else None
+        self._losses: list[Optional[torch.Tensor]] = [None] * M
+        self._posted: dict[Action, tuple] = {}    # receive -> (buffer, Work)
+        self._deferred: list[Action] = []         # receives whose shape is not known yet
+        self._handed: dict[tuple, torch.Tensor] = {}   # hand-offs between a rank's stages
+        self._to_send: dict[Action, torch.Tensor] = {}  # SEND_F / SEND_B -> tensor
         sends: list[tuple] = []
         self.timeline, self.peak_activations = [], 0
         for action in self.program:
-            s, m, kind = action.stage, action.microbatch, action.kind
-            stage = self.stages.get(s)
+            kind = action.kind
             if kind in (RECV_F, RECV_B):
                 self._deferred.append(action)
                 self._flush()
-            elif kind == SEND_F:
-                sends += self._send(action, outputs.pop((s, m)),
-                                    header=s not in self._meta_sent)
-                self._meta_sent.add(s)
-            elif kind == SEND_B:
-                sends += self._send(action, grads.pop((s, m)), header=False)
+            elif kind in (SEND_F, SEND_B):
+                header = kind == SEND_F and action.stage not in self._meta_sent
+                sends += self._send(action, self._to_send.pop(action), header=header)
+                if header:
+                    self._meta_sent.add(action.stage)
             else:
-                start = time.time()
-                if kind == F:
-                    if s == 0:
-                        inp = inputs[m]
-                    elif (s - 1) in self.stages:
-                        inp = handed.pop((s, m, F))
-                    else:
-                        inp = self._wait_recv(Action(s, RECV_F, m))
-                    out = stage.forward(m, inp)
-                    if s == last:
-                        loss = self.loss_fn(out, targets[m])
-                        losses[m] = loss.detach()
-                        stage.set_loss(m, loss / M)
-                    elif (s + 1) in self.stages:
-                        handed[(s + 1, m, F)] = out.detach()
-                    else:
-                        outputs[(s, m)] = out.detach()
-                    self._meta.setdefault(s + 1, (out.dtype, tuple(out.shape)))
-                elif kind == B:
-                    if s == last:
-                        grad_out = None
-                    elif (s + 1) in self.stages:
-                        grad_out = handed.pop((s, m, B))
-                    else:
-                        grad_out = self._wait_recv(Action(s, RECV_B, m))
-                    grad_in = (stage.backward_input(m, grad_out) if self._split
-                               else stage.backward(m, grad_out))
-                    if s > 0 and (s - 1) in self.stages:
-                        handed[(s - 1, m, B)] = grad_in
-                    elif s > 0:
-                        grads[(s, m)] = grad_in
-                else:  # W
-                    stage.backward_weight(m)
+                run = {F: self._forward, B: self._backward, W: self._weight}[kind]
+                start = run(action)   # the time the inputs were there and compute began
                 self.timeline.append((action, start, time.time()))
                 self.peak_activations = max(self.peak_activations,
                                             sum(st.held for st in self.stages.values()))
         for work, _ in sends:
             work.wait()
-        return losses if last in self.stages else None
+        return list(self._losses) if last in self.stages else None
+
+    def _forward(self, action: Action) -> float:
+        s, m = action.stage, action.microbatch
+        if s == 0:
+            inp = self._inputs[m]
+        elif (s - 1) in self.stages:
+            inp = self._handed.pop((s, m, F))
+        else:
+            inp = self._wait_recv(Action(s, RECV_F, m))
+        start = time.time()
+        out = self.stages[s].forward(m, inp)
+        if s == self.num_stages - 1:
+            loss = self.loss_fn(out, self._targets[m])
+            self._losses[m] = loss.detach()
+            self.stages[s].set_loss(m, loss / self.n_microbatches)
+        elif (s + 1) in self.stages:
+            self._handed[(s + 1, m, F)] = out.detach()
+        else:
+            self._to_send[Action(s, SEND_F, m)] = out.detach()
+        self._meta.setdefault(s + 1, (out.dtype, tuple(out.shape)))
+        return start
+
+    def _backward(self, action: Action) -> float:
+        s, m = action.stage, action.microbatch
+        if s == self.num_stages - 1:
+            grad_out = None
+        elif (s + 1) in self.stages:
+            grad_out = self._handed.pop((s, m, B))
+        else:
+            grad_out = self._wait_recv(Action(s, RECV_B, m))
+        start = time.time()
+        stage = self.stages[s]
+        grad_in = (stage.backward_input(m, grad_out) if self._split
+                   else stage.backward(m, grad_out))
+        if s > 0 and (s - 1) in self.stages:
+            self._handed[(s - 1, m, B)] = grad_in
+        elif s > 0:
+            self._to_send[Action(s, SEND_B, m)] = grad_in
+        return start
+
+    def _weight(self, action: Action) -> float:
+        start = time.time()
+        self.stages[action.stage].backward_weight(action.microbatch)
+        return start
 
     def _split_batch(self, batch: Optional[torch.Tensor], name: str) -> list[torch.Tensor]:
         M = self.n_microbatches
@@ -237,17 +246,6 @@ def _encode_meta(t: torch.Tensor, where: str) -> torch.Tensor:
 def _decode_meta(header: torch.Tensor) -> tuple:
     ndim = int(header[1])
     return _DTYPES[int(header[0])], tuple(int(d) for d in header[2:2 + ndim])
-
-
-def idle_fraction(timelines: Sequence[Sequence[tuple]]) -> float:
-    """The idle share of a measured step: 1 - busy time / (ranks x the step's span),
-    from every rank's :attr:`PipelineSchedule.timeline` (clocks of one host)."""
-    bars = [bar for line in timelines for bar in line]
-    if not bars:
-        return 0.0
-    span = max(e for _, _, e in bars) - min(s for _, s, _ in bars)
-    busy = sum(e - s for _, s, e in bars)
-    return 1.0 - busy / (span * len(timelines)) if span > 0 else 0.0
 
 
 class _SingleStage(PipelineSchedule):

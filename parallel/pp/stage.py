@@ -10,10 +10,12 @@ between ranks). Two ranks, two stages::
 
 Backward comes in two flavours. :meth:`backward` is one autograd pass: the gradient of
 the stage's input (to send upstream) and of its parameters together. For zero-bubble
-schedules :meth:`backward_input` computes the input gradient only, keeping the graph,
-and :meth:`backward_weight` later the parameters' gradients. Here the second pass walks
-the graph again (autograd offers no cheaper split without rewriting the layers), so
-B + W cost more than one B: the schedule wins when the bubbles it fills cost more.
+schedules :meth:`backward_input` computes the gradients of the activations only (the
+input's, and, for an ``nn.Sequential``, those between its layers) and
+:meth:`backward_weight` later the parameters', layer by layer from the activation
+gradients B kept: B + W cost about one backward. (For a module that is not an
+``nn.Sequential`` W walks the whole module's graph again.) The first stage's first
+layer has no input gradient, so its B is the cheapest.
 """
 
 from __future__ import annotations
@@ -63,7 +65,9 @@ class PipelineStage:
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self._inputs: dict[int, torch.Tensor] = {}
         self._outputs: dict[int, torch.Tensor] = {}   # the loss / M on the last stage
-        self._grad_outputs: dict[int, Optional[torch.Tensor]] = {}
+        self._layers = list(module) if isinstance(module, nn.Sequential) else [module]
+        self._boundaries: dict[int, list[torch.Tensor]] = {}   # each layer's output
+        self._layer_grads: dict[int, list[Optional[torch.Tensor]]] = {}
 
     def __repr__(self) -> str:
         return (f"PipelineStage({self.stage_index}/{self.num_stages}, rank "
@@ -80,7 +84,11 @@ class PipelineStage:
         if not self.is_first:
             x = x.detach().requires_grad_(x.is_floating_point())
         self._inputs[m] = x
-        out = self.module(x)
+        boundaries, out = [], x
+        for layer in self._layers:   # what self.module(x) does, keeping each output
+            out = layer(out)
+            boundaries.append(out)
+        self._boundaries[m] = boundaries
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"{self!r}: the module must return one tensor, got "
                             f"{type(out).__name__}")
@@ -99,6 +107,7 @@ class PipelineStage:
         """One backward pass of micro-batch ``m``: parameters' ``.grad`` accumulate; returns
         the gradient of the stage's input (None on the first stage)."""
         out = self._outputs.pop(m)
+        del self._boundaries[m]
         if out.requires_grad:
             torch.autograd.backward(out, grad_output)
         grad = self._grad_input(m)
@@ -106,20 +115,30 @@ class PipelineStage:
         return grad
 
     def backward_input(self, m: int, grad_output: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """The input gradient of micro-batch ``m`` only; the graph is kept for
-        :meth:`backward_weight`."""
-        self._grad_outputs[m] = grad_output
-        x, out = self._inputs[m], self._outputs[m]
-        if self.is_first or not x.requires_grad or not out.requires_grad:
+        """B of a zero-bubble schedule: the gradients of the stage's input and of every
+        layer's output (kept for :meth:`backward_weight`), no parameter gradient. Returns
+        the input's (None on the first stage)."""
+        x, top, boundaries = self._inputs[m], self._outputs[m], self._boundaries[m]
+        wanted = ([x] if not self.is_first and x.requires_grad else []) + boundaries
+        targets = [t for t in wanted if t.requires_grad]
+        grads: dict[int, Optional[torch.Tensor]] = {}
+        if targets and top.requires_grad:
+            found = torch.autograd.grad(top, targets, grad_output, retain_graph=True,
+                                        allow_unused=True)
+            grads = {id(t): g for t, g in zip(targets, found)}
+        self._layer_grads[m] = [grads.get(id(b)) for b in boundaries]
+        if self.is_first or not x.requires_grad:
             return None
-        (grad,) = torch.autograd.grad(out, (x,), grad_output, retain_graph=True,
-                                      allow_unused=True)
+        grad = grads.get(id(x))
         return torch.zeros_like(x) if grad is None else grad
 
     def backward_weight(self, m: int) -> None:
-        """The parameters' gradients of micro-batch ``m`` (after :meth:`backward_input`)."""
-        out, grad_output = self._outputs.pop(m), self._grad_outputs.pop(m)
+        """W of a zero-bubble schedule: each layer's parameter gradients, from the
+        gradient of its output that :meth:`backward_input` kept."""
+        self._outputs.pop(m)
         del self._inputs[m]
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        if params and out.requires_grad:
-            torch.autograd.backward(out, grad_output, inputs=params)
+        boundaries, grads = self._boundaries.pop(m), self._layer_grads.pop(m)
+        for layer, out, grad in zip(self._layers, boundaries, grads):
+            params = [p for p in layer.parameters() if p.requires_grad]
+            if params and grad is not None and out.requires_grad:
+                torch.autograd.backward(out, grad, inputs=params, retain_graph=True)
