@@ -65,7 +65,7 @@ def test_generators_are_valid_and_explicit_about_bubbles(shape, name):
         return
     schedule, S = _generate(name, P, M, V)
     assert len(schedule) == P and len({len(row) for row in schedule}) == 1  # padded grid
-    programs = check_schedule(schedule, S, M)
+    programs = check_schedule(schedule, S, M, split_backward=name == "zb")
     kinds = "FBW" if name == "zb" else "FB"
     computes = [a for row in schedule for a in row if a is not None]
     assert len(computes) == len(set(computes)) == S * M * len(kinds)
@@ -136,7 +136,7 @@ def test_checker_rejects_mutated_schedules(shape, name, seed):
     rng = np.random.default_rng(seed)
     for what, mutant, words in _mutants([list(row) for row in schedule], rng):
         with pytest.raises(ScheduleError, match=words) as info:
-            check_schedule(mutant, S, M)
+            check_schedule(mutant, S, M, split_backward=name == "zb")
         assert "rank 0 |" in info.value.grid, what
         if what != "dropped":   # the offending action is marked in the grid
             assert info.value.action is not None, what
@@ -297,7 +297,7 @@ def check_big_exchange(pg, mib: int = 16) -> dict:
     x = torch.ones(M * n // 1024, 1024)   # one micro-batch: 16 MiB
     sched = Schedule1F1B(stage, M, lambda out, y: out.mean())
     start = time.time()
-    sched.step(x if pg.rank == 0 else None, target=x[:1] if pg.rank == pg.size - 1 else None)
+    sched.step(x if pg.rank == 0 else None, target=x if pg.rank == pg.size - 1 else None)
     out["pipeline_s"] = time.time() - start
     # d mean(prod_k w_k * x) / d w_r = prod_{k != r} w_k / 1024 per element
     others = np.prod([1.0 + k for k in range(pg.size) if k != pg.rank])
@@ -313,6 +313,11 @@ def test_equivalence_thread_world():
             assert not bad, (P, bad)
             expected = 3 * 8 + 8 // P
             assert len(res) == expected, (P, sorted(res))
+
+
+def test_big_exchange_thread_world():
+    for P in (2, 3):
+        _assert_job([{"exchange": r} for r in run_threads(check_big_exchange, P, timeout=60)])
 
 
 def test_single_rank_and_local_handoff():
@@ -477,7 +482,7 @@ def test_png_from_schedule_and_from_trace(tmp_path):
 
 # ------------------------------------------------------------------ real processes
 def _job_checks(pg) -> dict:
-    out = {"equivalence": check_equivalence(pg, Ms=(1, pg.size, 5)),
+    out = {"equivalence": check_equivalence(pg, Ms=(1, pg.size) if pg.size == 3 else (2, 5)),
            "exchange": check_big_exchange(pg)}
     if pg.size == 3:   # P = 2 on a sub-group of the same job
         sub = pg.new_group([0, 1]) if pg.rank < 2 else pg.new_group([2])
@@ -490,7 +495,18 @@ def _job_checks(pg) -> dict:
     return out
 
 
+def _warm_up() -> None:
+    """torch's first backward with an explicit gradient imports sympy (~0.5 s and more on
+    a loaded machine). Done here, before the checks, so that no rank is that late for a
+    receive: gloo's recv currently fails when its sender is more than 0.5 s late (a known
+    bug the lead is fixing in backends/torchdist)."""
+    x = torch.ones(2, requires_grad=True)
+    torch.autograd.backward(x * 2, torch.ones(2))
+    torch.autograd.grad(x * 2, (x,), torch.ones(2))
+
+
 def _spawned_job() -> dict:
+    _warm_up()
     pg = collectives.init_process_group()
     try:
         pg.barrier()
@@ -522,15 +538,15 @@ def _backends() -> list:
 
 @pytest.mark.parametrize("backend", _backends())
 def test_spawned(backend):
-    """Three ranks (P = 3, and P = 2 on a sub-group), every schedule, the 16 MiB exchange.
-    gloo: small checks only (its recv fails when the sender is > 0.5 s late)."""
+    """Every schedule and the 16 MiB exchange in real processes: on shm three ranks (P = 3,
+    and P = 2 on a sub-group), on the other backends two (starting ranks is the cost)."""
     if backend != "shm":
         try:
             collectives.get_backend(backend)
         except ImportError as exc:
             pytest.skip(f"backend {backend} does not import: {exc}")
-    results = collectives.spawn(_spawned_job, 3, backend=backend, timeout=60,
-                                join_timeout=120)
+    results = collectives.spawn(_spawned_job, 3 if backend == "shm" else 2,
+                                backend=backend, timeout=60, join_timeout=120)
     _assert_job(results)
 
 
@@ -571,18 +587,20 @@ def _example(*args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_example_1f1b_four_stages(tmp_path):
+def test_example_1f1b(tmp_path):
+    """Two stages here (four ranks take a minute on 2 busy cores: the slow test below)."""
     picture = tmp_path / "pp.png"
-    summary = _example("--schedule", "1f1b", "--nproc", "4", "--trace",
-                       str(tmp_path / "pp.json"), "--picture", str(picture))
-    assert summary["example"] == "pp" and summary["world_size"] == 4
+    summary = _example("--schedule", "1f1b", "--trace", str(tmp_path / "pp.json"),
+                       "--picture", str(picture))
+    assert summary["example"] == "pp" and summary["world_size"] == 2
     assert summary["final_acc"] >= 0.85, summary
-    assert picture.exists() and (tmp_path / "pp-measured.png").exists()
+    for png in (picture, tmp_path / "pp-measured.png"):
+        assert png.read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["gpipe", "interleaved", "zb"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb"])
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_example_every_schedule(schedule, nproc):
     summary = _example("--schedule", schedule, "--nproc", str(nproc))
-    assert summary["final_acc"] >= 0.85, summary
+    assert summary["world_size"] == nproc and summary["final_acc"] >= 0.85, summary

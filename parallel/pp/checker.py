@@ -5,7 +5,8 @@ and checks, in order:
 
 1. every entry is an :class:`Action` or ``None``, of a stage in ``[0, num_stages)`` and a
    micro-batch in ``[0, n_microbatches)``, on the rank that holds its stage (``s % P``);
-2. one F and one B per (stage, micro-batch), and one W each too if any W appears;
+2. one F and one B per (stage, micro-batch), and one W each too in a schedule whose
+   backward is split (``split_backward``, by default: if any W appears);
 3. on its rank, F before B before W of the same (stage, micro-batch);
 4. (``timed=True``, the default) the grid's timing: each action starts in a later step
    than what it consumes (the previous stage's F, the next stage's B), so the bubbles
@@ -72,7 +73,8 @@ def _check_entries(schedule, num_stages: int, n_microbatches: int) -> None:
                                 f"{stage_rank(a.stage, num_ranks)}", r, i, a)
 
 
-def _check_once(schedule, num_stages: int, n_microbatches: int) -> None:
+def _check_once(schedule, num_stages: int, n_microbatches: int,
+                split_backward: Optional[bool]) -> None:
     where: dict[Action, tuple[int, int]] = {}
     for r, row in enumerate(schedule):
         for i, a in enumerate(row):
@@ -82,7 +84,14 @@ def _check_once(schedule, num_stages: int, n_microbatches: int) -> None:
                 _fail(schedule, f"{a} appears twice (first at rank {where[a][0]} step "
                                 f"{where[a][1]})", r, i, a, also=[where[a]])
             where[a] = (r, i)
-    kinds = (F, B, W) if any(a.kind == W for a in where) else (F, B)
+    if split_backward is None:
+        split_backward = any(a.kind == W for a in where)
+    kinds = (F, B, W) if split_backward else (F, B)
+    if not split_backward:
+        extra = next((a for a in where if a.kind == W), None)
+        if extra is not None:
+            _fail(schedule, f"{extra}: a W in a schedule whose backward is not split",
+                  *where[extra], extra)
     for s in range(num_stages):
         for m in range(n_microbatches):
             for kind in kinds:
@@ -194,8 +203,11 @@ def _stuck(programs, problem: str, rank=None, index=None, action=None, also=()) 
 
 
 def check_schedule(schedule: Sequence[Sequence[Optional[Action]]], num_stages: int,
-                   n_microbatches: int, *, timed: bool = True) -> list[list[Action]]:
+                   n_microbatches: int, *, timed: bool = True,
+                   split_backward: Optional[bool] = None) -> list[list[Action]]:
     """Validate ``schedule`` (see the module docstring) and return its lowered programs.
+    ``split_backward``: whether every (stage, micro-batch) needs a W; by default, whether
+    any W appears.
 
     Two ranks: ``check_schedule(one_f_one_b(2, 4), 2, 4)`` passes; drop an action, swap
     a B before its F, or duplicate one, and it raises :class:`ScheduleError`.
@@ -210,7 +222,7 @@ def check_schedule(schedule: Sequence[Sequence[Optional[Action]]], num_stages: i
         raise ValueError(f"pp.check_schedule: num_stages={num_stages} is not a multiple of "
                          f"the {len(schedule)} ranks")
     _check_entries(schedule, num_stages, n_microbatches)
-    _check_once(schedule, num_stages, n_microbatches)
+    _check_once(schedule, num_stages, n_microbatches, split_backward)
     _check_order(schedule)
     if timed:
         _check_timing(schedule, num_stages)

@@ -69,8 +69,9 @@ class PipelineSchedule:
         self.num_stages, self.n_microbatches, self.loss_fn = num_stages, n_microbatches, loss_fn
         #: The whole schedule (every rank's compute, bubbles as None), checked.
         self.schedule = self._generate(group.size, n_microbatches, num_stages)
-        self.program = check_schedule(self.schedule, num_stages, n_microbatches)[group.rank]
-        self._split = any(a.kind == W for a in self.program)
+        self._split = isinstance(self, ScheduleZeroBubble)
+        self.program = check_schedule(self.schedule, num_stages, n_microbatches,
+                                      split_backward=self._split)[group.rank]
         self._meta: dict[int, tuple] = {}          # stage -> (dtype, shape) of its input
         self._meta_sent: set[int] = set()          # stages whose output header went out
         #: The last step's compute actions on this rank: ``(action, start_s, end_s)``.
