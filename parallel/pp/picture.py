@@ -14,7 +14,7 @@ measured run: per rank, a list of ``(action, start_s, end_s)`` (what
 from __future__ import annotations
 
 import json
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence, Union
 
 from .actions import B, F, W, Action, parse_action
 
@@ -92,7 +92,8 @@ def draw_png(source, path: str, *, title: str = "", unit: str = "step") -> None:
     ax.set_xlim(0, span)
     ax.set_xlabel("time (s)" if unit == "s" else "time step")
     ax.set_title(title, loc="left")
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()],
+    present = {action.kind for bars in rows for action, _, _ in bars}
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items() if k in present],
               loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=3, frameon=False,
               fontsize=8)
     fig.tight_layout()
@@ -100,10 +101,12 @@ def draw_png(source, path: str, *, title: str = "", unit: str = "step") -> None:
     plt.close(fig)
 
 
-def timeline_from_trace(path: str, step: Optional[int] = None) -> list[list[tuple]]:
+def timeline_from_trace(path: str, step: Union[int, str, None] = None) -> list[list[tuple]]:
     """Read back the per-rank ``(action, start_s, end_s)`` bars of one pipeline step from
     a Chrome trace written by an example's ``--trace`` (slices named like ``2F0`` with
-    ``args.step``). ``step`` defaults to the last one recorded."""
+    ``args.step``). ``step``: a step number, ``None`` for the last one recorded, or
+    ``"fastest"`` for the one with the shortest span (the least disturbed by other
+    processes on a shared machine)."""
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     slices = [e for e in events if e.get("ph") == "X" and e.get("cat") == "pp"]
@@ -112,6 +115,12 @@ def timeline_from_trace(path: str, step: Optional[int] = None) -> list[list[tupl
                          f"written by examples/pp.py --trace?)")
     if step is None:
         step = max(e["args"]["step"] for e in slices)
+    elif step == "fastest":
+        spans: dict[int, list[float]] = {}
+        for e in slices:
+            lo, hi = spans.setdefault(e["args"]["step"], [float("inf"), float("-inf")])
+            spans[e["args"]["step"]] = [min(lo, e["ts"]), max(hi, e["ts"] + e["dur"])]
+        step = min(spans, key=lambda k: spans[k][1] - spans[k][0])
     ranks = max(e["pid"] for e in slices) + 1
     rows: list[list[tuple]] = [[] for _ in range(ranks)]
     for e in sorted(slices, key=lambda e: e["ts"]):
