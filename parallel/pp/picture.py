@@ -6,8 +6,8 @@ measured run: per rank, a list of ``(action, start_s, end_s)`` (what
 :func:`timeline_from_trace` reads back from an example's ``--trace`` file)::
 
     >>> print(text_grid(gpipe(2, 2)))
-    rank 0 | 0F0 0F1  .   .  0B0 0B1
-    rank 1 |  .  1F0 1F1 1B0 1B1  .
+    rank 0 | 0F0  0F1   .    .   0B0  0B1
+    rank 1 |  .   1F0  1F1  1B0  1B1   .
     >>> draw_png(gpipe(4, 8), "gpipe.png", title="GPipe, P=4, M=8")   # needs matplotlib
 """
 

@@ -7,8 +7,8 @@ earlier step, possibly on another rank). Two ranks, two micro-batches of GPipe::
 
     >>> from parallel.pp.picture import text_grid
     >>> print(text_grid(gpipe(2, 2)))
-    rank 0 | 0F0 0F1  .   .  0B0 0B1
-    rank 1 |  .  1F0 1F1 1B0 1B1  .
+    rank 0 | 0F0  0F1   .    .   0B0  0B1
+    rank 1 |  .   1F0  1F1  1B0  1B1   .
 
 The generators fix the *order* of each rank's compute; :func:`timed` places that order
 on the time grid, which is where the bubbles come from. With equal costs per action the
