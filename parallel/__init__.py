@@ -9,3 +9,7 @@ from .ddp import DDP, DistributedDataParallel
 from .sampler import ShardSampler
 
 __all__ = ["DDP", "Bucket", "DistributedDataParallel", "ShardSampler", "assign_buckets"]
+
+from . import pp  # noqa: E402  pipeline parallelism: parallel.pp.PipelineStage, Schedule1F1B, ...
+
+__all__ += ["pp"]

@@ -23,7 +23,7 @@ every step must use the same micro-batch shape.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
