@@ -43,7 +43,13 @@ _HEADER_TAG_OFFSET = 15000   # header tags: message tag + this (still below 3276
 
 
 class PipelineSchedule:
-    """The runtime shared by every schedule: subclasses only say which generator."""
+    """The runtime shared by every schedule: subclasses only say which generator.
+
+    Messages use tags from 1000 up on the stages' group (:mod:`parallel.pp.lowering`).
+    """
+
+    #: Whether B is the input gradient only and W the weight gradient (zero bubble).
+    split_backward = False
 
     def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
@@ -69,7 +75,7 @@ class PipelineSchedule:
         self.num_stages, self.n_microbatches, self.loss_fn = num_stages, n_microbatches, loss_fn
         #: The whole schedule (every rank's compute, bubbles as None), checked.
         self.schedule = self._generate(group.size, n_microbatches, num_stages)
-        self._split = isinstance(self, ScheduleZeroBubble)
+        self._split = self.split_backward
         self.program = check_schedule(self.schedule, num_stages, n_microbatches,
                                       split_backward=self._split)[group.rank]
         self._meta: dict[int, tuple] = {}          # stage -> (dtype, shape) of its input
@@ -280,6 +286,8 @@ class Schedule1F1B(_SingleStage):
 class ScheduleZeroBubble(_SingleStage):
     """ZB-H1 (:func:`parallel.pp.schedules.zb_h1`): backward split into input gradient B
     and weight gradient W, the W passes filling the bubbles."""
+
+    split_backward = True
 
     def _generate(self, num_ranks, n_microbatches, num_stages):
         return zb_h1(num_ranks, n_microbatches)
