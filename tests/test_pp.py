@@ -106,7 +106,8 @@ def test_lowering_adds_matched_messages():
 
 # ------------------------------------------------------------------ the checker rejects
 def _mutants(schedule, rng):
-    """(description, mutated schedule) triples that can never be valid."""
+    """(what, mutated schedule, words of the error) for mutations that can never be
+    valid: a dropped action, a duplicated one, a B swapped with its F."""
     cells = [(r, i) for r, row in enumerate(schedule) for i, a in enumerate(row)
              if a is not None]
     r, i = cells[rng.integers(len(cells))]
@@ -528,6 +529,8 @@ def _assert_job(results: list) -> None:
             if key in res:
                 bad = {k: v for k, v in res[key].items() if v > 1e-5}
                 assert not bad, (r, key, bad)
+                assert len(res[key]) >= 7, (r, key, sorted(res[key]))  # 3 schedules x 2+
+        assert "grad_err" in res["exchange"], (r, res["exchange"])
         for key in ("exchange", "pair_exchange"):
             ex = res.get(key, {})
             if "raw_ok" in ex:
@@ -559,20 +562,25 @@ MPIEXEC = shutil.which(os.environ.get("MPIEXEC") or "mpiexec")
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install mpich)")
-def test_under_mpiexec():
+def test_under_mpiexec(tmp_path):
+    """Three ranks under mpiexec (backend mpi): each writes its results to a file (the
+    ranks' standard outputs interleave)."""
     pytest.importorskip("mpi4py")
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                         "COLLECTIVES_BACKEND")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run([MPIEXEC, "-n", "3", sys.executable, "-c",
-                           "import json, test_pp; print(json.dumps(test_pp._mpi_main()))"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+               OMP_NUM_THREADS="1", PP_TEST_OUT=str(tmp_path))
+    code = ("import json, os, test_pp; r = test_pp._mpi_main(); "
+            "open(os.path.join(os.environ['PP_TEST_OUT'], str(r['rank'])), 'w')"
+            ".write(json.dumps(r))")
+    proc = subprocess.run([MPIEXEC, "-n", "3", sys.executable, "-c", code], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert sorted(d["rank"] for d in lines) == [0, 1, 2] and lines[0]["backend"] == "mpi"
-    _assert_job([d["checks"] for d in sorted(lines, key=lambda d: d["rank"])])
+    reports = [json.loads((tmp_path / str(r)).read_text()) for r in range(3)]
+    assert [d["rank"] for d in reports] == [0, 1, 2]
+    assert {d["backend"] for d in reports} == {"mpi"}
+    _assert_job([d["checks"] for d in reports])
 
 
 def _mpi_main() -> dict:
@@ -593,12 +601,21 @@ def _example(*args: str) -> dict:
 
 
 def test_example_1f1b(tmp_path):
-    """Two stages here (four ranks take a minute on 2 busy cores: the slow test below)."""
-    picture = tmp_path / "pp.png"
-    summary = _example("--schedule", "1f1b", "--trace", str(tmp_path / "pp.json"),
-                       "--picture", str(picture))
+    """Two stages here (four ranks take a minute on 2 busy cores: the slow tests below);
+    the trace holds every step's actions."""
+    summary = _example("--schedule", "1f1b", "--trace", str(tmp_path / "pp.json"))
     assert summary["example"] == "pp" and summary["world_size"] == 2
     assert summary["final_acc"] >= 0.85, summary
+    timeline = timeline_from_trace(str(tmp_path / "pp.json"))
+    assert [[str(a) for a, _, _ in row] for row in timeline] == [
+        [str(a) for a in row if a is not None] for row in one_f_one_b(2, 4)]
+
+
+@pytest.mark.slow
+def test_example_pictures(tmp_path):
+    picture = tmp_path / "pp.png"
+    _example("--schedule", "1f1b", "--nproc", "4", "--epochs", "1", "--trace",
+             str(tmp_path / "pp.json"), "--picture", str(picture))
     for png in (picture, tmp_path / "pp-measured.png"):
         assert png.read_bytes()[:4] == b"\x89PNG"
 
