@@ -433,6 +433,7 @@ def test_measured_bubble_matches_theory():
         assert abs(measured[name][0] - theory[name][0]) < 0.05, (name, measured, theory)
         assert abs(measured[name][1] - theory[name][1]) < 0.08, (name, measured, theory)
     for name in ("gpipe", "1f1b"):   # equal costs everywhere: (P-1)/(M+P-1)
+        assert abs(measured[name][0] - (P - 1) / (M + P - 1)) < 0.05, (name, measured)
         uniform = replay(per_rank[0][name][1], P, lambda a: 1.0 + (a.kind == "B"))
         assert pipeline_bubble(uniform) == pytest.approx((P - 1) / (M + P - 1))
         assert idle_fraction(uniform) == pytest.approx((P - 1) / (M + P - 1))
