@@ -10,5 +10,7 @@ from .fsdp import FSDP, FullyShardedDataParallel
 from .sampler import ShardSampler
 from . import tp  # parallel.tp: tensor parallelism, a package
 
+from . import pp  # noqa: E402  pipeline parallelism: parallel.pp.PipelineStage, Schedule1F1B, ...
+
 __all__ = ["DDP", "FSDP", "Bucket", "DistributedDataParallel", "FullyShardedDataParallel",
-           "ShardSampler", "assign_buckets", "tp"]
+           "ShardSampler", "assign_buckets", "pp", "tp"]

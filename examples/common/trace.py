@@ -59,6 +59,13 @@ class Tracer:
         finally:
             self._add(name=name, ph="X", ts=start, dur=_now_us() - start, tid=0, args=args)
 
+    def add_slice(self, name: str, start_s: float, end_s: float, *, cat: str = "span",
+                  **args: Any) -> None:
+        """A slice measured elsewhere (``time.time()`` seconds) on this rank's main row."""
+        if self.enabled:
+            self._add(name=name, cat=cat, ph="X", ts=start_s * 1e6,
+                      dur=(end_s - start_s) * 1e6, tid=0, args=args)
+
     def wrap(self, group: Any) -> Any:
         """``group`` itself, or (when enabled) a proxy recording its collectives."""
         return _TracedGroup(group, self) if self.enabled else group
