@@ -1,0 +1,187 @@
+"""``collectives.torch_backend``: our transports under torch's own DDP, FSDP2, pipelining.
+
+The per-rank jobs live in ``tests/scripts/torch_backend_job.py`` (also runnable under
+mpiexec and as separate processes); one spawned job per transport runs many checks at
+once, since starting ranks that import torch is the expensive part.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import collectives
+import collectives.torch_backend as tb
+from collectives.spawn import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = ROOT / "tests" / "scripts" / "torch_backend_job.py"
+sys.path.insert(0, str(JOB.parent))
+
+import torch_backend_job as job  # noqa: E402
+
+MPIEXEC = shutil.which(os.environ.get("MPIEXEC") or "mpiexec")
+HOOKS = (None, "allreduce")
+
+
+def _clean_env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                        "MASTER_PORT", "COLLECTIVES_BACKEND", "COLLECTIVES_JOB_ID")}
+    env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    env.update(extra)
+    return env
+
+
+# ------------------------------------------------------------------ in this process
+def test_registered_on_import_and_options_checked():
+    assert tb.BACKEND_NAME == "collectives" and "collectives" in dist.Backend.backend_list
+    assert dist.Backend.backend_capability["collectives"] == ["cpu", "cuda"]
+    with pytest.raises(TypeError, match="pg_options"):
+        tb.rendezvous._transport({"transport": "zmq"})
+    with pytest.raises(ValueError, match="torch.distributed itself"):
+        tb.rendezvous._transport(tb.Options("gloo"))
+    assert tb.rendezvous._transport(tb.Options("zmq")) == "zmq"
+
+
+def test_world_of_one_through_a_hash_store(monkeypatch):
+    """init_process_group with an explicit store; the transport from COLLECTIVES_BACKEND;
+    bad arguments are typed errors naming the backend and the op."""
+    monkeypatch.setenv("COLLECTIVES_BACKEND", "p2p:shm")
+    dist.init_process_group("collectives", rank=0, world_size=1, store=dist.HashStore(),
+                            timeout=datetime.timedelta(seconds=20))
+    try:
+        world = dist.group.WORLD
+        assert isinstance(world, tb.ProcessGroupCollectives) and world.transport == "p2p:shm"
+        assert dist.get_backend() == "collectives" and world.name() == "collectives"
+        t = torch.arange(4.0)
+        dist.all_reduce(t, op=dist.ReduceOp.AVG)
+        assert t.tolist() == [0.0, 1.0, 2.0, 3.0]
+        with pytest.raises(ValueError, match=r"collectives backend, rank 0/1\] allreduce: "
+                                             r"reduce op BAND"):
+            dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.BAND)
+        with pytest.raises(ValueError, match="one per rank"):
+            dist.all_gather([torch.empty(1), torch.empty(1)], torch.ones(1))
+        with pytest.raises(ValueError, match="any source"):
+            dist.recv(torch.empty(1))
+        fut = dist.all_reduce(torch.ones(2), async_op=True).get_future()
+        assert fut.wait()[0].tolist() == [1.0, 1.0]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_translate_keeps_op_sequence_rank():
+    timeout = collectives.CollectiveTimeout(
+        "[rank 1/3] all_reduce (seq 6): timed out after 2 s waiting for ranks [2]",
+        op="all_reduce", seq=6, missing=[2])
+    exc = tb.errors.translate(timeout, op="allreduce", rank=1, size=3)
+    assert isinstance(exc, dist.DistBackendError) and exc.__cause__ is timeout
+    assert (exc.op, exc.seq, exc.rank, exc.missing) == ("allreduce", 6, 1, (2,))
+    assert "rank 1/3" in str(exc) and "seq 6" in str(exc) and "CollectiveTimeout" in str(exc)
+    bad = ValueError("not ours")
+    assert tb.errors.translate(bad, op="allreduce", rank=0, size=1) is bad
+
+
+# ------------------------------------------------------------------ spawned jobs
+def _expected_ops(n: int, r: int) -> dict:
+    tri = n * (n - 1) / 2
+    ex = {
+        "all_reduce": [n * (n + 1) / 2] * 3, "future": [[float(n)] * 2],
+        "broadcast": float(n - 1),
+        "all_gather": [[float(q)] * 2 for q in range(n)],
+        "all_gather_into_tensor": [[float(q)] * 2 for q in range(n)],
+        "reduce_scatter_tensor": n * r + tri, "reduce_scatter": n * r + tri,
+        "all_to_all_single": [10.0 * q + r for q in range(n)],
+        "all_to_all_single_uneven": [100.0 * q + r * (q + 1) + k
+                                     for q in range(n) for k in range(q + 1)],
+        "all_to_all": [10.0 * q + r for q in range(n)],
+        "all_reduce_coalesced": [[tri] * 2, [float(n)] * 3],
+        "batch_isend_irecv": [float((r - 1) % n)] * 4,
+    }
+    if r == n - 1:
+        ex["send_recv"] = 7.0
+    if r < n - 1:
+        ex["new_group"] = float(n - 1)
+    return ex
+
+
+def _assert_ddp(results: list, transport: str) -> None:
+    for res in results:
+        assert res["backend"] == "collectives" and res["transport"] == transport
+        for hook in HOOKS:
+            assert res[f"{hook}/max_diff"] <= 1e-5, (transport, hook, res)
+            assert res[f"{hook}/moved"] > 1e-3, "the parameters did not train"
+            assert res[f"{hook}/digest"] == results[0][f"{hook}/digest"], "replicas differ"
+
+
+@pytest.mark.parametrize("transport, nproc", [("shm", 2), ("zmq", 3)])
+def test_ops_ddp_and_mismatch_spawned(transport, nproc):
+    """Every call torch's wrappers make gives the closed-form result; torch's DDP over
+    "collectives" equals torch's DDP over gloo after 6 steps (with and without a comm
+    hook); a mismatched call reaches torch's caller as DistBackendError naming op, seq
+    and rank, with our CollectiveMismatch as the cause on the rank that detected it."""
+    results = collectives.spawn(job.ops_job, nproc, backend=transport, timeout=60,
+                                join_timeout=180)
+    for r, res in enumerate(results):
+        assert res["ops"] == _expected_ops(nproc, r), (r, res["ops"])
+    _assert_ddp(results, transport)
+    mismatches = [res["mismatch"] for res in results]
+    assert all(m and m["type"] == "CollectivesBackendError" and m["is_dist_backend_error"]
+               for m in mismatches), mismatches
+    assert "CollectiveMismatch" in {m["cause"] for m in mismatches}
+    for r, m in enumerate(mismatches):
+        assert f"rank {r}/{nproc}" in m["message"] and "(seq " in m["message"], m
+        assert ("allreduce" if r == 0 else "broadcast") in m["message"], m
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
+def test_ddp_under_mpiexec():
+    """The same DDP-against-gloo job, two ranks started by mpiexec, transport mpi."""
+    proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(JOB), "ddp"], cwd=ROOT,
+                          env=_clean_env(COLLECTIVES_BACKEND="mpi"), capture_output=True,
+                          text=True, timeout=180, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = sorted((json.loads(line) for line in proc.stdout.splitlines()
+                      if line.startswith("{")), key=lambda d: d["rank"])
+    assert [d["rank"] for d in results] == [0, 1], proc.stdout + proc.stderr
+    _assert_ddp(results, "mpi")
+
+
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
+def test_sigkilled_rank_raises_in_survivors(transport):
+    """3 ranks, rank 2 SIGKILLs itself between all_reduces: ranks 0 and 1 raise a
+    DistBackendError naming rank 2 within 10 s, with our PeerError as the cause."""
+    env = _clean_env(WORLD_SIZE="3", COLLECTIVES_BACKEND=transport)
+    procs = [subprocess.Popen([sys.executable, str(JOB), "kill"], cwd=ROOT,
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              stdin=subprocess.DEVNULL) for r in range(3)]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=120))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert procs[2].returncode == -9, outputs[2]
+    for r in (0, 1):
+        assert procs[r].returncode == 0, outputs[r]
+        res = json.loads(outputs[r][0].strip().splitlines()[-1])
+        assert res["type"] == "CollectivesBackendError" and res["is_dist_backend_error"], res
+        assert res["cause"] == "PeerError" and res["peer"] == 2, res
+        assert res["elapsed_s"] < 10.0, res
+        assert "rank 2" in res["message"] and f"rank {r}/3" in res["message"], res
+        assert res["op"] == "allreduce" and res["seq"] >= 3, res
