@@ -185,3 +185,26 @@ def test_sigkilled_rank_raises_in_survivors(transport):
         assert res["elapsed_s"] < 10.0, res
         assert "rank 2" in res["message"] and f"rank {r}/3" in res["message"], res
         assert res["op"] == "allreduce" and res["seq"] >= 3, res
+
+
+def test_fsdp2_pipelining_and_tensor_parallel_spawned():
+    """Over "collectives" (shm, 2 ranks): torch's FSDP2 (fully_shard per Linear and the
+    root), ScheduleGPipe and Schedule1F1B (one stage per rank, 4 micro-batches) each train
+    6 steps to one process's parameters; DTensor Colwise/Rowwise matches the dense MLP.
+    Each went through the backend methods it should have (counted by the adapter)."""
+    results = collectives.spawn(job.wrappers_job, 2, backend="shm", timeout=60,
+                                join_timeout=180)
+    for res in results:
+        for name in ("fsdp2", "gpipe", "1f1b", "tp"):
+            assert "error" not in res[name], res[name].get("traceback", res[name])
+        fsdp = res["fsdp2"]
+        assert fsdp["max_diff"] < 1e-5 and fsdp["sharded"], fsdp
+        assert fsdp["calls"]["reduce_scatter_single"] >= 6 * 3, fsdp
+        assert fsdp["calls"].get("all_gather_single", 0) + \
+            fsdp["calls"].get("all_gather_single_coalesced", 0) >= 6 * 3, fsdp
+        for name in ("gpipe", "1f1b"):
+            assert res[name]["max_diff"] < 1e-5 and res[name]["params"] > 0, res[name]
+            assert res[name]["calls"]["send"] >= 6 * 4 and res[name]["calls"]["recv"] >= 24
+        tp = res["tp"]
+        assert tp["forward_diff"] < 1e-5 and tp["param_diff"] < 1e-5, tp
+        assert tp["calls"]["allreduce"] >= 3, tp

@@ -13,7 +13,8 @@ use one, the C++ callers of functional collectives the other.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+import collections
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,10 +55,28 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         self.transport = transport
         self._runner = Runner(f"{transport}-r{group.rank}", self._translate)
         self._on_shutdown: list[Callable[[], None]] = []
+        self._group_name = ""
+        self._group_desc = ""
+        #: How many times torch called each backend method (what a wrapper uses).
+        self.calls: collections.Counter = collections.Counter()
 
     # ------------------------------------------------------------------- identity
-    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+    # torch keeps a group's name in its C++ backends; a Python group keeps its own (the
+    # name is how DeviceMesh and the functional collectives find the group).
+    def getBackendName(self) -> str:  # noqa: N802 - torch's names
         return BACKEND_NAME
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._group_desc
 
     def __repr__(self) -> str:
         return (f"<ProcessGroupCollectives transport={self.transport} "
@@ -72,6 +91,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
     def _submit(self, op: str, fn: Callable[[], None], result: Any,
                 opts: Any) -> CollectiveWork:
         blocking = opts is not None and getattr(opts, "asyncOp", True) is False
+        self.calls[op] += 1
         return self._runner.submit(op, fn, result, blocking)
 
     def run_on_group_thread(self, fn: Callable[[], Any]) -> Any:
@@ -307,6 +327,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         tensors = self._tensors(tensors, "send")
         if len(tensors) != 1:
             raise ValueError(f"{self._where('send')}: one tensor per send, got {len(tensors)}")
+        self.calls["send"] += 1
         return PointToPointWork(self.group.isend(tensors[0], dstRank, tag), tensors, "send",
                                 self._translate)
 
@@ -314,6 +335,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         tensors = self._tensors(tensors, "recv")
         if len(tensors) != 1:
             raise ValueError(f"{self._where('recv')}: one tensor per recv, got {len(tensors)}")
+        self.calls["recv"] += 1
         return PointToPointWork(self.group.irecv(tensors[0], srcRank, tag), tensors, "recv",
                                 self._translate)
 

@@ -11,6 +11,7 @@ the same functions return their results instead.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import hashlib
 import json
@@ -206,6 +207,132 @@ def ops_job() -> dict:
         out["mismatch"] = {"type": type(exc).__name__, "message": str(exc),
                            "is_dist_backend_error": isinstance(exc, dist.DistBackendError),
                            "cause": type(exc.__cause__).__name__}
+    dist.destroy_process_group()
+    return out
+
+
+def _reference(steps_batches) -> list:
+    """One process, no wrapper: the DDP example's model trained on the given batches."""
+    model = build_mlp(0)
+    opt = SGD(model.parameters())
+    for x, y in steps_batches:
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def _max_diff(params, reference) -> float:
+    return max(float((p.detach() - q).abs().max()) for p, q in zip(params, reference))
+
+
+def fsdp2(n: int, r: int) -> dict:
+    """torch's FSDP2, fully_shard per Linear block then the root, against one process on
+    the N-times batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (n,))
+    model = build_mlp(0)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = SGD(model.parameters())
+    for step in range(STEPS):
+        x, y = _batch(step, r, n)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    full = [p.full_tensor() for p in model.parameters()]  # functional all_gather
+    x, y = _data()
+    ref = _reference((x[s * n * BATCH:(s + 1) * n * BATCH], y[s * n * BATCH:(s + 1) * n * BATCH])
+                     for s in range(STEPS))
+    return {"max_diff": _max_diff(full, ref),
+            "sharded": all(p.to_local().numel() < q.numel()
+                           for p, q in zip(model.parameters(), full) if q.numel() >= n)}
+
+
+def pipelining(n: int, r: int, schedule: str) -> dict:
+    """torch.distributed.pipelining: the model cut into n stages (one per rank), 4
+    micro-batches of the BATCH-sample batch, against one process on the whole batch."""
+    from torch.distributed import pipelining as pp
+
+    model = build_mlp(0)
+    cuts = {2: [(0, 3), (3, 7)], 3: [(0, 3), (3, 6), (6, 7)]}[n]
+    lo, hi = cuts[r]
+    stage_module = torch.nn.Sequential(*list(model)[lo:hi])
+    stage = pp.PipelineStage(stage_module, r, n, torch.device("cpu"))
+    cls = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B}[schedule]
+    sched = cls(stage, n_microbatches=4, loss_fn=F.cross_entropy)
+    opt = SGD(stage_module.parameters())
+    x, y = _data()
+    batches = [(x[s * BATCH:(s + 1) * BATCH], y[s * BATCH:(s + 1) * BATCH])
+               for s in range(STEPS)]
+    for xb, yb in batches:
+        if r == 0:
+            sched.step(xb)
+        elif r == n - 1:
+            sched.step(target=yb)
+        else:
+            sched.step()
+        opt.step()
+    ref = _reference(batches)
+    offsets = [0]
+    for layer in model:
+        offsets.append(offsets[-1] + len(list(layer.parameters())))
+    mine = ref[offsets[lo]:offsets[hi]]
+    return {"max_diff": _max_diff(stage_module.parameters(), mine),
+            "params": len(mine)}
+
+
+def tensor_parallel(n: int, r: int) -> dict:
+    """DTensor TP: a Megatron MLP (Colwise then Rowwise) against the dense one, forward
+    and 3 SGD steps (functional all_reduce forward and backward)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    def mlp() -> torch.nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1)
+            return torch.nn.Sequential(torch.nn.Linear(16, 8 * n), torch.nn.ReLU(),
+                                       torch.nn.Linear(8 * n, 4))
+
+    mesh = init_device_mesh("cpu", (n,))
+    dense, tp = mlp(), parallelize_module(mlp(), mesh, {"0": ColwiseParallel(),
+                                                        "2": RowwiseParallel()})
+    opt_dense, opt_tp = SGD(dense.parameters()), SGD(tp.parameters())
+    gen = torch.Generator().manual_seed(2)
+    diffs = []
+    for _ in range(3):
+        x = torch.randn(5, 16, generator=gen)
+        out_dense, out_tp = dense(x), tp(x)
+        diffs.append(float((out_dense - out_tp).detach().abs().max()))
+        out_dense.square().mean().backward()
+        out_tp.square().mean().backward()
+        opt_dense.step()
+        opt_tp.step()
+    full = [p.full_tensor() for p in tp.parameters()]
+    return {"forward_diff": max(diffs),
+            "param_diff": _max_diff(full, [p.detach() for p in dense.parameters()])}
+
+
+def wrappers_job() -> dict:
+    """FSDP2, both pipelining schedules and DTensor TP over the "collectives" world."""
+    init()
+    n, r = dist.get_world_size(), dist.get_rank()
+    out: dict = {"rank": r}
+    for name, fn in (("fsdp2", lambda: fsdp2(n, r)),
+                     ("gpipe", lambda: pipelining(n, r, "gpipe")),
+                     ("1f1b", lambda: pipelining(n, r, "1f1b")),
+                     ("tp", lambda: tensor_parallel(n, r))):
+        before = collections.Counter(dist.group.WORLD.calls)
+        try:
+            out[name] = fn()
+            out[name]["calls"] = dict(dist.group.WORLD.calls - before)
+        except Exception as exc:  # noqa: BLE001 - reported to the test, with its type
+            import traceback
+            out[name] = {"error": f"{type(exc).__name__}: {exc}",
+                         "traceback": traceback.format_exc()[-3000:]}
     dist.destroy_process_group()
     return out
 
