@@ -18,8 +18,9 @@ import secrets
 import socket
 import weakref
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
+from ..group import timeout_seconds
 from ..launch import Rendezvous
 from ..registry import P2P_ONLY_PREFIX, get_backend
 from ..spawn import free_port
@@ -46,9 +47,13 @@ class Options:
 
     ``transport``: a registered name of ours (``shm``, ``zmq``, ``mpi``, ``p2p:shm``,
     ...); ``None`` reads ``COLLECTIVES_BACKEND``, then defaults to ``shm``.
+    ``timeout``: seconds (or a ``timedelta``) our group's waits last before
+    ``CollectiveTimeout``; ``None`` takes the init call's ``timeout`` (which also bounds
+    torch's own rendezvous through the store).
     """
 
     transport: Optional[str] = None
+    timeout: Union[float, datetime.timedelta, None] = None
 
 
 def _transport(options: Any) -> str:
@@ -103,9 +108,10 @@ def create_backend(options: Any, backend_options: Any) -> ProcessGroupCollective
     """
     global _world
     transport = _transport(backend_options)
-    timeout = options.timeout
-    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) \
-        else float(timeout)
+    seconds = timeout_seconds(getattr(backend_options, "timeout", None),
+                              timeout_seconds(options.timeout, 0.0),
+                              where="init_process_group(backend='collectives')",
+                              arg="Options.timeout")
     ranks = list(options.global_ranks_in_group)
     world = _world() if _world is not None else None
     if ranks and world is not None and world.transport == transport:

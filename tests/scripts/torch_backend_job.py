@@ -4,6 +4,7 @@
     python tests/scripts/torch_backend_job.py ddp                 # one rank: RANK, WORLD_SIZE,
     mpiexec -n 2 python tests/scripts/torch_backend_job.py ddp    # MASTER_ADDR/PORT from env
     python tests/scripts/torch_backend_job.py kill                # a 3-rank job, rank 2 dies
+    python tests/scripts/torch_backend_job.py hang                # ... rank 2 stops calling
 
 Each rank prints one JSON line ``{"rank": r, ...}``. Started through ``collectives.spawn``
 the same functions return their results instead.
@@ -45,12 +46,13 @@ def _env_rank() -> tuple[int, int]:
     raise RuntimeError("no launcher variables (RANK/WORLD_SIZE or an MPI launcher's)")
 
 
-def init(seconds: float = 60.0, transport: str | None = None) -> None:
+def init(seconds: float = 60.0, transport: str | None = None,
+         group_timeout: float | None = None) -> None:
     rank, size = _env_rank()
     torch.set_num_threads(1)
     dist.init_process_group("collectives", rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=seconds),
-                            pg_options=tb.Options(transport) if transport else None)
+                            pg_options=tb.Options(transport, group_timeout))
 
 
 def _flat(params) -> np.ndarray:
@@ -191,12 +193,15 @@ def op_checks() -> dict:
     return out
 
 
-def ops_job() -> dict:
-    """The op checks, DDP against gloo, then a mismatched call (rank 0 all_reduce, the
-    others broadcast) that must reach torch's caller as a DistBackendError."""
+def ops_job(wrappers: bool = False) -> dict:
+    """The op checks, DDP against gloo, (``wrappers``: FSDP2, pipelining, TP,) then a
+    mismatched call (rank 0 all_reduce, the others broadcast) that must reach torch's
+    caller as a DistBackendError."""
     init()
     out = {"ops": op_checks()}
     out.update(ddp_job(init_here=False))
+    if wrappers:
+        out.update(wrappers_job(init_here=False))
     try:
         if dist.get_rank() == 0:
             dist.all_reduce(torch.ones(3))
@@ -316,9 +321,10 @@ def tensor_parallel(n: int, r: int) -> dict:
             "param_diff": _max_diff(full, [p.detach() for p in dense.parameters()])}
 
 
-def wrappers_job() -> dict:
+def wrappers_job(init_here: bool = True) -> dict:
     """FSDP2, both pipelining schedules and DTensor TP over the "collectives" world."""
-    init()
+    if init_here:
+        init()
     n, r = dist.get_world_size(), dist.get_rank()
     out: dict = {"rank": r}
     for name, fn in (("fsdp2", lambda: fsdp2(n, r)),
@@ -333,19 +339,24 @@ def wrappers_job() -> dict:
             import traceback
             out[name] = {"error": f"{type(exc).__name__}: {exc}",
                          "traceback": traceback.format_exc()[-3000:]}
-    dist.destroy_process_group()
+    if init_here:
+        dist.destroy_process_group()
     return out
 
 
-def kill_job() -> dict:
-    """Rank 2 SIGKILLs itself after three all_reduces; the others keep calling."""
-    init(seconds=60.0)
+def kill_job(hang: bool = False) -> dict:
+    """Rank 2 SIGKILLs itself after three all_reduces (``hang``: stops calling for 6 s,
+    past the group timeout of 2 s); the others keep calling."""
+    init(seconds=60.0, group_timeout=2.0 if hang else None)
     rank = dist.get_rank()
     t = torch.ones(1000)
     for _ in range(3):
         dist.all_reduce(t)
     if rank == 2:
-        os.kill(os.getpid(), signal.SIGKILL)
+        if not hang:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(6.0)
+        return {"rank": rank}
     start = time.monotonic()
     try:
         for _ in range(100000):
@@ -358,9 +369,9 @@ def kill_job() -> dict:
                 "is_dist_backend_error": isinstance(exc, dist.DistBackendError),
                 "cause": type(cause).__name__ if cause else None,
                 "peer": getattr(exc, "peer", None), "op": getattr(exc, "op", None),
-                "seq": getattr(exc, "seq", None)}
+                "seq": getattr(exc, "seq", None), "missing": getattr(exc, "missing", None)}
 
 
 if __name__ == "__main__":
-    job = {"ddp": ddp_job, "kill": kill_job}[sys.argv[1]]
+    job = {"ddp": ddp_job, "kill": kill_job, "hang": lambda: kill_job(hang=True)}[sys.argv[1]]
     print(json.dumps(job()), flush=True)
