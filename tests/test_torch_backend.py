@@ -223,10 +223,28 @@ def test_sigkilled_rank_raises_in_survivors(transport):
         assert res["op"] == "allreduce" and res["seq"] >= 3, res
 
 
+def test_sigkilled_rank_stops_torch_ddp_in_survivors():
+    """3 ranks training with torch's DDP over shm, rank 2 SIGKILLed after 3 steps: the
+    survivors' backward raises within 10 s with a message naming the dead rank, the op and
+    the sequence number (DDP's C++ reducer re-raises a failed future as RuntimeError, with
+    our error's text); the next collective on the broken group is a DistBackendError."""
+    codes, outputs = _three_ranks("kill_ddp", "shm")
+    assert codes[2] == -9, outputs[2]
+    for r in (0, 1):
+        assert codes[r] == 0, outputs[r]
+        res = _report(outputs[r])
+        assert res["elapsed_s"] < 10.0, res
+        for text in ("CollectivesBackendError", "PeerError", "rank 2", f"rank {r}/3",
+                     "allreduce", "(seq "):
+            assert text in res["message"], (text, res)
+        after = res["after"]
+        assert after["is_dist_backend_error"] and "rank 2" in after["message"], after
+
+
 def test_silent_rank_times_out_in_survivors():
-    """3 ranks on shm, Options(timeout=2): rank 2 stops calling for 6 s; ranks 0 and 1
-    raise a DistBackendError with our CollectiveTimeout as the cause, naming the op, the
-    sequence number and the missing rank, after about 2 s (well before rank 2 is back)."""
+    """3 ranks on shm, Options(timeout=2): rank 2 stops calling (until the others timed
+    out, 6 s at most); ranks 0 and 1 raise a DistBackendError with our CollectiveTimeout as
+    the cause, naming the op, the sequence number and the missing rank, after about 2 s."""
     codes, outputs = _three_ranks("hang", "shm")
     assert codes == [0, 0, 0], outputs
     for r in (0, 1):

@@ -28,37 +28,80 @@ from ..work import Work as OurWork
 Translate = Callable[[BaseException, str], BaseException]
 
 
+def new_future(result: Any) -> torch.futures.Future:
+    """A future for ``result``: one that knows the CUDA devices of its tensors (torch
+    refuses to complete a device-less future with CUDA tensors), else a plain one."""
+    found = _tensors_of(result)
+    devices = sorted({t.device for t in found if t.is_cuda}, key=str)
+    return torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+
+
+def _tensors_of(result: Any) -> list:
+    if isinstance(result, torch.Tensor):
+        return [result]
+    if isinstance(result, (list, tuple)):
+        return [t for item in result for t in _tensors_of(item)]
+    return []
+
+
+class _Failed:
+    """What the inner future holds when the operation failed (see CollectiveWork)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _unwrap(inner: torch.futures.Future) -> Any:
+    value = inner.value()
+    if isinstance(value, _Failed):
+        raise value.error
+    return value
+
+
 class CollectiveWork(dist._Work):
     """torch's ``Work`` for one queued (or already finished) collective.
 
-    ``wait()`` blocks until the collective ran and re-raises its error (a
+    ``wait()`` blocks until the collective ran and re-raises its error as it is (a
     :class:`~collectives.torch_backend.CollectivesBackendError` for a communication
-    failure); ``get_future()`` completes with the output tensors. Our group's own timeout
-    bounds every wait, so ``wait``'s ``timeout`` argument is not needed and ignored.
+    failure); ``get_future()`` completes with the output tensors, or fails with the
+    error's text. Our group's own timeout bounds every wait, so ``wait``'s ``timeout``
+    argument is not needed and ignored.
+
+    Two futures: torch's ``Future.set_exception`` stores the exception as a *value*
+    (C++ consumers such as DDP's reducer would read it as tensors), so the inner one is
+    completed with the result or a failure marker, and the future handed out is chained
+    on it with a callback that raises: that marks it failed for C++ and Python alike.
     """
 
-    def __init__(self, future: torch.futures.Future) -> None:
+    def __init__(self, result: Any) -> None:
         super().__init__()
-        self._future = future
+        self._inner = new_future(result)
+        self._future = self._inner.then(_unwrap)
+        self._error: Optional[BaseException] = None
+
+    def _finish(self, result: Any, error: Optional[BaseException]) -> None:
+        if error is None:
+            self._inner.set_result(result)
+        else:
+            self._error = error  # before the inner future completes: wait() reads it
+            self._inner.set_result(_Failed(error))
 
     def wait(self, timeout: Any = None) -> bool:
-        self._future.wait()
+        self._inner.wait()
+        if self._error is not None:
+            raise self._error
         return True
 
     def is_completed(self) -> bool:
-        return self._future.done()
+        return self._inner.done()
 
     def is_success(self) -> bool:
-        return self.exception() is None and self._future.done()
+        return self._inner.done() and self._error is None
 
     def exception(self) -> Optional[BaseException]:
-        if not self._future.done():
-            return None
-        try:
-            self._future.wait()
-        except Exception as exc:  # noqa: BLE001 - the operation's own error, returned
-            return exc
-        return None
+        return self._error
 
     def get_future(self) -> torch.futures.Future:
         return self._future
@@ -70,34 +113,33 @@ class PointToPointWork(CollectiveWork):
     do the waiting, so that a future-only user is not left waiting forever)."""
 
     def __init__(self, inner: OurWork, result: list, op: str, translate: Translate) -> None:
-        super().__init__(torch.futures.Future())
-        self._inner, self._result, self._op, self._translate = inner, result, op, translate
+        super().__init__(result)
+        self._ours, self._result, self._op, self._translate = inner, result, op, translate
         self._lock = threading.Lock()
         self._helper: Optional[threading.Thread] = None
 
     def wait(self, timeout: Any = None) -> bool:
         with self._lock:
-            if not self._future.done():
+            if not self._inner.done():
                 try:
-                    self._inner.wait()
-                except BaseException as exc:
-                    self._future.set_exception(self._translate(exc, self._op))
+                    self._ours.wait()
+                except BaseException as exc:  # noqa: BLE001 - goes to every waiter
+                    self._finish(None, self._translate(exc, self._op))
                 else:
-                    self._future.set_result(self._result)
-        self._future.wait()
-        return True
+                    self._finish(self._result, None)
+        return super().wait()
 
     def is_completed(self) -> bool:
-        if not self._future.done() and self._inner.is_completed():
+        if not self._inner.done() and self._ours.is_completed():
             try:
                 self.wait()
-            except Exception:  # noqa: BLE001 - kept in the future; wait() raises it
+            except Exception:  # noqa: BLE001 - kept; wait() raises it
                 pass
-        return self._future.done()
+        return self._inner.done()
 
     def get_future(self) -> torch.futures.Future:
         with self._lock:
-            if self._helper is None and not self._future.done():
+            if self._helper is None and not self._inner.done():
                 self._helper = threading.Thread(target=self._wait_quietly, daemon=True,
                                                 name=f"collectives-torch-{self._op}")
                 self._helper.start()
@@ -106,7 +148,7 @@ class PointToPointWork(CollectiveWork):
     def _wait_quietly(self) -> None:
         try:
             self.wait()
-        except Exception:  # noqa: BLE001 - kept in the future
+        except Exception:  # noqa: BLE001 - kept; wait() raises it
             pass
 
 
@@ -135,7 +177,7 @@ class Runner:
 
     def submit(self, op: str, fn: Callable[[], None], result: Any,
                blocking: bool) -> CollectiveWork:
-        future: torch.futures.Future = torch.futures.Future()
+        work = CollectiveWork(result)
         with self._lock:
             if self._closed:
                 raise dist.DistBackendError(f"[collectives backend] {op}: the process group "
@@ -151,22 +193,22 @@ class Runner:
                     self._thread = threading.Thread(target=self._loop, daemon=True,
                                                     name=f"collectives-torch-{self._name}")
                     self._thread.start()
-                self._queue.put((op, fn, result, future))
+                self._queue.put((op, fn, result, work))
         if inline:
             try:
-                self._complete(op, fn, result, future)
+                self._complete(op, fn, result, work)
             finally:
                 self._exec.release()
-        return CollectiveWork(future)
+        return work
 
     def _complete(self, op: str, fn: Callable[[], None], result: Any,
-                  future: torch.futures.Future) -> None:
+                  work: CollectiveWork) -> None:
         try:
             fn()
         except BaseException as exc:  # noqa: BLE001 - every error goes to the waiter
-            future.set_exception(self._translate(exc, op))
+            work._finish(None, self._translate(exc, op))
         else:
-            future.set_result(result)
+            work._finish(result, None)
 
     def _loop(self) -> None:
         while True:
