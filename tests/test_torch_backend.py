@@ -77,6 +77,10 @@ def test_world_of_one_through_a_hash_store(monkeypatch):
             dist.recv(torch.empty(1))
         fut = dist.all_reduce(torch.ones(2), async_op=True).get_future()
         assert fut.wait()[0].tolist() == [1.0, 1.0]
+        for _ in range(50):  # once wait() returned, the future is done (queued path)
+            work = dist.all_reduce(torch.ones(2), async_op=True)
+            work.wait()
+            assert work.is_completed() and work.get_future().value()[0].tolist() == [1.0, 1.0]
     finally:
         dist.destroy_process_group()
 

@@ -124,4 +124,12 @@ def create_backend(options: Any, backend_options: Any) -> ProcessGroupCollective
     adapter = ProcessGroupCollectives(factory(rendezvous, seconds), transport)
     if not ranks:
         _world = weakref.ref(adapter)
+        adapter._on_shutdown.append(_forget_world)
     return adapter
+
+
+def _forget_world() -> None:
+    """The world was shut down (``dist.destroy_process_group``): later groups are not
+    made from it."""
+    global _world
+    _world = None

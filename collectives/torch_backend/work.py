@@ -89,16 +89,22 @@ class CollectiveWork(dist._Work):
             self._inner.set_result(_Failed(error))
 
     def wait(self, timeout: Any = None) -> bool:
-        self._inner.wait()
+        # The outer future, not the inner one: it completes after the inner one's
+        # callbacks ran, so that get_future().value() is ready once wait() returned.
+        try:
+            self._future.wait()
+        except Exception:  # noqa: BLE001 - ours, raised below as it is
+            if self._error is None:
+                raise
         if self._error is not None:
             raise self._error
         return True
 
     def is_completed(self) -> bool:
-        return self._inner.done()
+        return self._future.done()
 
     def is_success(self) -> bool:
-        return self._inner.done() and self._error is None
+        return self._future.done() and self._error is None
 
     def exception(self) -> Optional[BaseException]:
         return self._error
@@ -135,7 +141,7 @@ class PointToPointWork(CollectiveWork):
                 self.wait()
             except Exception:  # noqa: BLE001 - kept; wait() raises it
                 pass
-        return self._inner.done()
+        return self._future.done()
 
     def get_future(self) -> torch.futures.Future:
         with self._lock:

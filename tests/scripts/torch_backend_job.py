@@ -143,8 +143,8 @@ def op_checks() -> dict:
     t = torch.ones(2) * (r + 1)
     work = dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
     future = work.get_future()
-    work.wait()
-    out["future"] = [x.tolist() for x in future.wait()]
+    work.wait()  # after it, the future is done: value() must not block or fail
+    out["future"] = [x.tolist() for x in future.value()]
     b = torch.tensor([float(r)])
     dist.broadcast(b, src=n - 1)
     out["broadcast"] = b.item()
