@@ -3,6 +3,7 @@
 
     python tests/scripts/torch_backend_job.py ddp                 # one rank: RANK, WORLD_SIZE,
     mpiexec -n 2 python tests/scripts/torch_backend_job.py ddp    # MASTER_ADDR/PORT from env
+    torchrun --nproc-per-node 2 tests/scripts/torch_backend_job.py wrappers   # FSDP2, PP, TP
     python tests/scripts/torch_backend_job.py kill                # a 3-rank job, rank 2 dies
     python tests/scripts/torch_backend_job.py hang                # ... rank 2 stops calling
 
@@ -400,6 +401,6 @@ def _describe(exc: BaseException) -> dict:
 
 
 if __name__ == "__main__":
-    job = {"ddp": ddp_job, "kill": kill_job, "hang": lambda: kill_job(hang=True),
+    job = {"ddp": ddp_job, "wrappers": wrappers_job, "kill": kill_job, "hang": lambda: kill_job(hang=True),
            "kill_ddp": lambda: kill_job(ddp=True)}[sys.argv[1]]
     print(json.dumps(job()), flush=True)
