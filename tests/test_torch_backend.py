@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from collectives.spawn import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "tests" / "scripts" / "torch_backend_job.py"
+FAULTS = JOB.parent / "torch_backend_faults.py"
 sys.path.insert(0, str(JOB.parent))
 
 import torch_backend_job as job  # noqa: E402
@@ -191,7 +191,7 @@ def test_ddp_under_mpiexec():
 def _three_ranks(kind: str, transport: str) -> tuple[list, list]:
     """Run the job ``kind`` as 3 separate processes; their exit codes and outputs."""
     env = _clean_env(WORLD_SIZE="3", COLLECTIVES_BACKEND=transport)
-    procs = [subprocess.Popen([sys.executable, str(JOB), kind], cwd=ROOT,
+    procs = [subprocess.Popen([sys.executable, str(FAULTS), kind], cwd=ROOT,
                               env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               stdin=subprocess.DEVNULL) for r in range(3)]
@@ -227,6 +227,7 @@ def test_sigkilled_rank_raises_in_survivors(transport):
         assert res["op"] == "allreduce" and res["seq"] >= 3, res
 
 
+@pytest.mark.slow
 def test_sigkilled_rank_stops_torch_ddp_in_survivors():
     """3 ranks training with torch's DDP over shm, rank 2 SIGKILLed after 3 steps: the
     survivors' backward raises within 10 s with a message naming the dead rank, the op and
