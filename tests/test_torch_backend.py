@@ -176,15 +176,18 @@ def test_spawned_job(transport, nproc):
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
-def test_ddp_under_mpiexec():
-    """The same DDP-against-gloo job, two ranks started by mpiexec, transport mpi."""
-    proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(JOB), "ddp"], cwd=ROOT,
+def test_ops_and_ddp_under_mpiexec():
+    """The op checks and DDP against gloo, two ranks started by mpiexec, transport mpi
+    (sub-groups are MPI communicators there)."""
+    proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(JOB), "ops"], cwd=ROOT,
                           env=_clean_env(COLLECTIVES_BACKEND="mpi"), capture_output=True,
                           text=True, timeout=180, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = sorted((json.loads(line) for line in proc.stdout.splitlines()
                       if line.startswith("{")), key=lambda d: d["rank"])
     assert [d["rank"] for d in results] == [0, 1], proc.stdout + proc.stderr
+    for r, res in enumerate(results):
+        assert res["ops"] == _expected_ops(2, r), (r, res["ops"])
     _assert_ddp(results, "mpi")
 
 

@@ -2,7 +2,7 @@
 ``"collectives"`` torch.distributed backend.
 
     python tests/scripts/torch_backend_job.py ddp                 # one rank: RANK, WORLD_SIZE,
-    mpiexec -n 2 python tests/scripts/torch_backend_job.py ddp    # MASTER_ADDR/PORT from env
+    mpiexec -n 2 python tests/scripts/torch_backend_job.py ops    # MASTER_ADDR/PORT from env
     torchrun --nproc-per-node 2 tests/scripts/torch_backend_job.py wrappers   # FSDP2, PP, TP
 
 Each rank prints one JSON line ``{"rank": r, ...}``. Started through ``collectives.spawn``
@@ -190,15 +190,19 @@ def op_checks() -> dict:
     return out
 
 
-def ops_job(wrappers: bool = False) -> dict:
-    """The op checks, DDP against gloo, (``wrappers``: FSDP2, pipelining, TP,) then a
-    mismatched call (rank 0 all_reduce, the others broadcast) that must reach torch's
-    caller as a DistBackendError."""
+def ops_job(wrappers: bool = False, mismatch: bool = True) -> dict:
+    """The op checks, DDP against gloo, (``wrappers``: FSDP2, pipelining, TP,) then
+    (``mismatch``; not on mpi, which cannot detect one) a mismatched call (rank 0
+    all_reduce, the others broadcast) that must reach torch's caller as a
+    DistBackendError."""
     init()
     out = {"ops": op_checks()}
     out.update(ddp_job(init_here=False))
     if wrappers:
         out.update(wrappers_job(init_here=False))
+    if not mismatch:
+        dist.destroy_process_group()
+        return out
     try:
         if dist.get_rank() == 0:
             dist.all_reduce(torch.ones(3))
@@ -342,5 +346,6 @@ def wrappers_job(init_here: bool = True) -> dict:
 
 
 if __name__ == "__main__":
-    job = {"ddp": ddp_job, "wrappers": wrappers_job}[sys.argv[1]]
+    job = {"ddp": ddp_job, "ops": lambda: ops_job(mismatch=False),
+           "wrappers": wrappers_job}[sys.argv[1]]
     print(json.dumps(job()), flush=True)
