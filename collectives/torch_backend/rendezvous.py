@@ -1,0 +1,135 @@
+"""Building our process group when torch asks the ``"collectives"`` backend for one.
+
+torch hands a backend factory its rendezvous store (``TCPStore``, ``FileStore``, ... with
+a prefix per group), the group rank and size and the timeout. From the store alone every
+rank learns what our transports need to meet: a job id nobody else uses (rank 0 draws
+it), which ranks share this host (each rank posts its host name) and, for zmq, a port
+for its own rendezvous (torch's store already listens at ``MASTER_PORT``). The world
+group is built that way; ``dist.new_group`` makes a sub-group of it with our
+``ProcessGroup.new_group`` (so mpi sub-groups are MPI communicators, shm ones their own
+segments), run in order with the world's queued collectives.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import secrets
+import socket
+import weakref
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from ..group import timeout_seconds
+from ..launch import Rendezvous
+from ..registry import P2P_ONLY_PREFIX, get_backend
+from ..spawn import free_port
+from .adapter import ProcessGroupCollectives
+
+__all__ = ["DEFAULT_TRANSPORT", "Options", "create_backend"]
+
+#: The transport when neither the options nor ``COLLECTIVES_BACKEND`` name one.
+DEFAULT_TRANSPORT = "shm"
+
+#: Transports that are torch.distributed themselves: use torch's own backend instead.
+_TORCH_TRANSPORTS = ("gloo", "nccl", "torch")
+
+_KEY = "collectives/"
+
+# The live world group, which sub-groups are made from (torch has one world at a time).
+_world: "Optional[weakref.ref[ProcessGroupCollectives]]" = None
+
+
+@dataclass(frozen=True)
+class Options:
+    """The ``"collectives"`` backend's options: ``dist.init_process_group("collectives",
+    pg_options=Options(transport="zmq"))`` (also for ``dist.new_group``).
+
+    ``transport``: a registered name of ours (``shm``, ``zmq``, ``mpi``, ``p2p:shm``,
+    ...); ``None`` reads ``COLLECTIVES_BACKEND``, then defaults to ``shm``.
+    ``timeout``: seconds (or a ``timedelta``) our group's waits last before
+    ``CollectiveTimeout``; ``None`` takes the init call's ``timeout`` (which also bounds
+    torch's own rendezvous through the store).
+    """
+
+    transport: Optional[str] = None
+    timeout: Union[float, datetime.timedelta, None] = None
+
+
+def _transport(options: Any) -> str:
+    where = "init_process_group(backend='collectives')"
+    if options is not None and not isinstance(options, Options):
+        raise TypeError(f"{where}: argument `pg_options` must be a "
+                        f"collectives.torch_backend.Options, got {type(options).__name__}")
+    name = (options.transport if options is not None else None) \
+        or os.environ.get("COLLECTIVES_BACKEND") or DEFAULT_TRANSPORT
+    if not isinstance(name, str):
+        raise TypeError(f"{where}: Options.transport must be a string, got "
+                        f"{type(name).__name__}")
+    base = name[len(P2P_ONLY_PREFIX):] if name.startswith(P2P_ONLY_PREFIX) else name
+    if base in _TORCH_TRANSPORTS:
+        raise ValueError(f"{where}: transport {name!r} is torch.distributed itself; use "
+                         f"dist.init_process_group({base!r}) directly")
+    return name
+
+
+def _meet(store: Any, rank: int, size: int) -> Rendezvous:
+    """Job id, host layout and a rendezvous port for our transport, through torch's store."""
+    if rank == 0:
+        launcher_job = os.environ.get("COLLECTIVES_JOB_ID") or os.environ.get(
+            "TORCHELASTIC_RUN_ID") or "torch"
+        store.set(_KEY + "job", f"{launcher_job}-{secrets.token_hex(6)}")
+    host = socket.gethostname()
+    store.set(_KEY + f"host/{rank}", host)
+    hosts = [host if r == rank else store.get(_KEY + f"host/{r}").decode()
+             for r in range(size)]
+    local = [r for r in range(size) if hosts[r] == host]
+    one_host = len(local) == size
+    if rank == 0:
+        addr = "127.0.0.1" if one_host else (os.environ.get("MASTER_ADDR")
+                                             or socket.getfqdn())
+        store.set(_KEY + "master", f"{addr} {free_port('0.0.0.0' if not one_host else addr)}")
+    addr, port = store.get(_KEY + "master").decode().split()
+    return Rendezvous(
+        rank=rank, world_size=size, local_rank=local.index(rank),
+        local_world_size=len(local), master_addr=addr, master_port=int(port),
+        job_id=store.get(_KEY + "job").decode(),
+        # One host: what our transports treat as a local launcher's job (shm allowed,
+        # zmq's per-job key file); several: an explicit rendezvous.
+        launcher="torchrun" if one_host else "explicit")
+
+
+def create_backend(options: Any, backend_options: Any) -> ProcessGroupCollectives:
+    """torch's factory for the ``"collectives"`` backend (``extended_api=True``).
+
+    ``options`` is torch's ``_DistributedBackendOptions`` (store, group_rank, group_size,
+    timeout, global_ranks_in_group: empty for the world), ``backend_options`` the
+    ``pg_options`` of the init call (an :class:`Options` or None).
+    """
+    global _world
+    transport = _transport(backend_options)
+    seconds = timeout_seconds(getattr(backend_options, "timeout", None),
+                              timeout_seconds(options.timeout, 0.0),
+                              where="init_process_group(backend='collectives')",
+                              arg="Options.timeout")
+    ranks = list(options.global_ranks_in_group)
+    world = _world() if _world is not None else None
+    if ranks and world is not None and world.transport == transport:
+        members = tuple(sorted(ranks))
+        sub = world.run_on_group_thread(lambda: world.group.new_group(members))
+        return ProcessGroupCollectives(sub, transport)
+    rendezvous = _meet(options.store, options.group_rank, options.group_size)
+    factory = get_backend(transport, where="init_process_group(backend='collectives')",
+                          what="the transport")
+    adapter = ProcessGroupCollectives(factory(rendezvous, seconds), transport)
+    if not ranks:
+        _world = weakref.ref(adapter)
+        adapter._on_shutdown.append(_forget_world)
+    return adapter
+
+
+def _forget_world() -> None:
+    """The world was shut down (``dist.destroy_process_group``): later groups are not
+    made from it."""
+    global _world
+    _world = None
