@@ -7,8 +7,10 @@ or ``torch.distributed``.
 from .bucket import Bucket, assign_buckets
 from .ddp import DDP, DistributedDataParallel
 from .fsdp import FSDP, FullyShardedDataParallel
+from .mesh import DeviceMesh
 from .sampler import ShardSampler
 from . import tp  # parallel.tp: tensor parallelism, a package
 
 __all__ = ["DDP", "FSDP", "Bucket", "DistributedDataParallel", "FullyShardedDataParallel",
            "ShardSampler", "assign_buckets", "tp"]
+__all__ += ["DeviceMesh"]  # parallel.mesh
