@@ -214,10 +214,12 @@ def _spawn_checked(backend: str, n: int) -> None:
     _assert_job(reports, backend, n)
 
 
-@pytest.mark.parametrize("backend", _spawnable())
+@pytest.mark.parametrize("backend", [pytest.param("shm", marks=pytest.mark.slow)]
+                         + _spawnable()[1:])
 def test_spawned_4_ranks(backend):
     """One 4-rank job per backend: the meshes (2,2), (2,1,2), (1,2,2) over the world. A
-    deadlock in the member-only new_group calls would show as the job's timeout."""
+    deadlock in the member-only new_group calls would show as the job's timeout. (shm's
+    8-rank job runs these shapes over sub-groups by default; this one is slow-only.)"""
     _spawn_checked(backend, 4)
 
 
@@ -245,14 +247,122 @@ needs_mpi = pytest.mark.skipif(
 
 
 @needs_mpi
-def test_under_mpiexec(tmp_path):
-    """The same job on the mpi backend: this file run by ``mpiexec -n 8``."""
-    proc = subprocess.run([MPIEXEC, "-n", "8", sys.executable, __file__, str(tmp_path)],
+@pytest.mark.parametrize("n", [4, pytest.param(8, marks=pytest.mark.slow)])
+def test_under_mpiexec(tmp_path, n):
+    """The same job on the mpi backend: this file run by ``mpiexec -n 4`` (and 8)."""
+    proc = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, __file__, str(tmp_path)],
                           cwd=ROOT, env=_env(), stdin=subprocess.DEVNULL, capture_output=True,
                           text=True, timeout=150)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(8)]
-    _assert_job(reports, "mpi")
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(n)]
+    _assert_job(reports, "mpi", n)
+
+
+# ------------------------------------------------------------------ examples/mesh.py
+def _example_args(*argv: str):
+    from examples.mesh import mesh_args
+    return mesh_args(["--hidden", "16", "--heads", "2", "--ffn", "32", "--layers", "1",
+                      "--batch-size", "8", "--epochs", "1", *argv])
+
+
+def _train_threads(args):
+    import torch
+    from examples.mesh import dense_model, train_on_mesh
+    dense = dense_model(args)          # once: the threads share torch's global random state
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return run_threads(lambda pg: {k: v for k, v in train_on_mesh(pg, args, dense).items()
+                                       if k in ("measured", "predicted", "step_losses")},
+                           args.nproc, timeout=60)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dp, tp, fsdp", [(2, 2, False), (2, 2, True), (1, 2, False),
+                                          (2, 1, True), (4, 1, False)])
+def test_account_measured_equals_predicted(dp, tp, fsdp):
+    """The bytes the counters saw on each dimension's group, per step, on every rank, are
+    exactly the bytes the model's sizes predict (a small model, 3 steps)."""
+    args = _example_args("--dp", str(dp), "--tp", str(tp), "--max-steps", "3",
+                         *(["--fsdp"] if fsdp else []))
+    for rank, run in enumerate(_train_threads(args)):
+        measured = {name: run["measured"][name]["bytes"] for name in ("dp", "tp")}
+        assert measured == run["predicted"], (rank, run["measured"], run["predicted"])
+        assert (measured["dp"] > 0) == (dp > 1) and (measured["tp"] > 0) == (tp > 1)
+
+
+def test_mesh_run_follows_the_single_process_model():
+    """dp=2 x tp=2 with batch 8 per dp rank takes the steps of one process with batch 16:
+    the mean over dp of the step losses equals the single-process losses for 8 steps."""
+    single = _train_threads(_example_args("--dp", "1", "--tp", "1", "--batch-size", "16",
+                                          "--max-steps", "8"))[0]["step_losses"]
+    runs = _train_threads(_example_args("--dp", "2", "--tp", "2", "--max-steps", "8"))
+    # Row-major (dp, tp): ranks 0 and 2 are the dp pair of tp rank 0.
+    for tp_rank in (0, 1):
+        mean = [(a + b) / 2 for a, b in zip(runs[tp_rank]["step_losses"],
+                                            runs[2 + tp_rank]["step_losses"])]
+        assert len(mean) == len(single) == 8
+        for ours, theirs in zip(mean, single):
+            assert abs(ours - theirs) <= 1e-4 * abs(theirs), (mean, single)
+    assert runs[0]["step_losses"] == runs[1]["step_losses"]   # one tp pair: the same batch
+
+
+def _run_example(argv: list, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "examples/mesh.py", *argv], cwd=ROOT, env=_env(),
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _check_example_output(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert list(summary) == ["example", "backend", "world_size", "epochs", "wall_s",
+                             "samples_per_s", "final_loss", "final_acc"]
+    account = json.loads(next(l for l in lines if l.startswith("account "))[len("account "):])
+    for name in ("dp", "tp"):
+        assert account["measured"][name]["bytes"] == account["predicted"][name] > 0, account
+    assert "equal on every rank" in proc.stdout
+    return summary
+
+
+def test_example_quick_run_with_trace(tmp_path):
+    """A few steps of ``--dp 2 --tp 2 --fsdp`` on shm: the contract's summary line, the
+    account (measured == predicted), and a trace whose collectives name their dimension."""
+    trace = tmp_path / "mesh.json"
+    proc = _run_example(["--dp", "2", "--tp", "2", "--fsdp", "--epochs", "1",
+                         "--max-steps", "5", "--trace", str(trace)], timeout=120)
+    summary = _check_example_output(proc)
+    assert summary["example"] == "mesh" and summary["world_size"] == 4
+    events = json.loads(trace.read_text())["traceEvents"]
+    for rank in range(4):
+        names = {e["name"] for e in events if e["pid"] == rank}
+        assert {"forward", "backward", "tp all_reduce", "dp all_gather",
+                "dp reduce_scatter"} <= names, names
+    dims = {e["args"].get("dim") for e in events if e.get("cat") == "comm" and e["ph"] == "b"}
+    assert dims == {"dp", "tp"}
+
+
+def test_example_refuses_pipeline_and_bad_nproc(capsys):
+    from examples.mesh import mesh_args
+    for argv, message in [(["--pp", "2"], "pipeline composition is not available yet"),
+                          (["--nproc", "2"], "dp*tp*pp = 4")]:
+        with pytest.raises(SystemExit) as exc:
+            mesh_args(["--dp", "2", "--tp", "2", *argv])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert mesh_args(["--dp", "2", "--tp", "2"]).nproc == 4
+    assert mesh_args(["--dp", "2", "--tp", "2", "--nproc", "4"]).nproc == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_example_reaches_85_percent(fsdp):
+    """The whole default run, ``--dp 2 --tp 2`` on 4 shm ranks (~45 s on 2 cores with DDP)."""
+    proc = _run_example(["--dp", "2", "--tp", "2", *(["--fsdp"] if fsdp else [])],
+                        timeout=400)
+    summary = _check_example_output(proc)
+    assert summary["final_acc"] >= 0.85, summary
 
 
 def test_parallel_mesh_imports_no_transport():

@@ -32,8 +32,11 @@ BACKENDS = ("shm", "zmq", "mpi", "gloo", "nccl")
 
 
 def parse_args(example: str, argv: Optional[Sequence[str]] = None, *, epochs: int = 3,
-               batch_size: int = 32, lr: float = 0.05, description: str = "") -> argparse.Namespace:
-    """The examples' common options; each example passes its own defaults.
+               batch_size: int = 32, lr: float = 0.05, description: str = "",
+               extra: Optional[Callable[[argparse.ArgumentParser], None]] = None,
+               ) -> argparse.Namespace:
+    """The examples' common options; each example passes its own defaults, and
+    ``extra(parser)`` may add the example's own options.
 
     ``--backend`` defaults to the launcher's: ``mpi`` under mpirun, ``COLLECTIVES_BACKEND``
     when set, ``shm`` otherwise.
@@ -58,6 +61,8 @@ def parse_args(example: str, argv: Optional[Sequence[str]] = None, *, epochs: in
     p.add_argument("--trace", metavar="FILE", default=None,
                    help="write a Chrome trace (chrome://tracing, ui.perfetto.dev) of every "
                         "rank's steps and collectives to FILE")
+    if extra is not None:
+        extra(p)
     args = p.parse_args(argv)
     for name in ("nproc", "epochs", "batch_size"):
         if getattr(args, name) < 1:

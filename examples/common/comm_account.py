@@ -1,0 +1,62 @@
+"""The communication account of a mesh run: bytes per mesh dimension, measured by a wrapper
+around each dimension's group, next to what the model's sizes predict.
+
+A call's bytes are the size of its whole buffer, the same on every rank: the tensor of
+``all_reduce`` and ``broadcast``, the gathered ``output`` of ``all_gather``, the ``input``
+of ``reduce_scatter`` (the largest array argument of the call). A group of one rank moves
+nothing and counts 0. Object collectives (``all_gather_object``...) are not counted: the
+strategies use them only at construction, before the account starts.
+
+::
+
+    tp = CountingGroup(mesh["tp"])                  # then give ``tp`` to the layers
+    tp.start()                                      # count from here (after set-up)
+    ...                                             # train
+    tp.bytes / steps                                # bytes per step on the tp dimension
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["COUNTED", "CountingGroup", "nbytes_of_call"]
+
+#: The collectives the account counts.
+COUNTED = frozenset({"all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter",
+                     "reduce_scatter", "all_to_all", "send", "recv", "isend", "irecv"})
+
+
+def nbytes_of_call(args: tuple, kwargs: dict) -> int:
+    """The largest array (torch tensor or numpy array) argument's size in bytes."""
+    sizes = [a.numel() * a.element_size() if hasattr(a, "numel") else a.nbytes
+             for a in list(args) + list(kwargs.values())
+             if hasattr(a, "numel") or hasattr(a, "nbytes")]
+    return max(sizes, default=0)
+
+
+class CountingGroup:
+    """``group`` with a byte and call counter on its collectives (after :meth:`start`);
+    everything else passes through, so strategies take it where they take a group."""
+
+    def __init__(self, group: Any) -> None:
+        self._group = group
+        self.counting = False
+        self.bytes = 0
+        self.calls = 0
+
+    def start(self) -> None:
+        """Reset the counters and count from now on."""
+        self.counting, self.bytes, self.calls = True, 0, 0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._group, name)
+        if name not in COUNTED:
+            return attr
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self.counting and self._group.size > 1:
+                self.bytes += nbytes_of_call(args, kwargs)
+                self.calls += 1
+            return attr(*args, **kwargs)
+
+        return counted
