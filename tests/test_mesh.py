@@ -342,6 +342,10 @@ def test_example_quick_run_with_trace(tmp_path):
                 "dp reduce_scatter"} <= names, names
     dims = {e["args"].get("dim") for e in events if e.get("cat") == "comm" and e["ph"] == "b"}
     assert dims == {"dp", "tp"}
+    pytest.importorskip("matplotlib")
+    from examples.plot_trace import main as plot
+    plot([str(trace), str(tmp_path / "mesh.png"), "--step", "1", "--steps", "2"])
+    assert (tmp_path / "mesh.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_example_refuses_pipeline_and_bad_nproc(capsys):
@@ -353,6 +357,17 @@ def test_example_refuses_pipeline_and_bad_nproc(capsys):
         assert exc.value.code == 2 and message in capsys.readouterr().err
     assert mesh_args(["--dp", "2", "--tp", "2"]).nproc == 4
     assert mesh_args(["--dp", "2", "--tp", "2", "--nproc", "4"]).nproc == 4
+
+
+@pytest.mark.slow
+@needs_mpi
+def test_example_under_mpiexec():
+    proc = subprocess.run([MPIEXEC, "-n", "4", sys.executable, "examples/mesh.py", "--dp", "2",
+                           "--tp", "2", "--epochs", "1", "--max-steps", "10"], cwd=ROOT,
+                          env=_env(), stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=180)
+    summary = _check_example_output(proc)
+    assert summary["backend"] == "mpi" and summary["world_size"] == 4
 
 
 @pytest.mark.slow
