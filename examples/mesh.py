@@ -21,7 +21,8 @@ status 2. ``--nproc`` defaults to dp*tp*pp.
 
 At the end rank 0 prints the communication account: bytes per step on each mesh
 dimension, measured by a counter around each dimension's group, next to what the model's
-sizes predict (see :func:`predicted_bytes`); then the JSON summary line.
+sizes predict (see :func:`predicted_bytes`), and the time per step rank 0 spent in (or
+waiting for) each dimension's collectives; then the JSON summary line.
 """
 
 import copy
@@ -133,11 +134,11 @@ def predicted_bytes(args, dp: int, tp: int, fsdp: bool) -> dict:
 
 def account_table(measured: dict, predicted: dict, mesh: DeviceMesh) -> str:
     lines = [f"{'dim':<4} {'size':>4} {'calls/step':>10} {'measured B/step':>16} "
-             f"{'predicted B/step':>17}"]
+             f"{'predicted B/step':>17} {'ms/step':>8}"]
     for name in ("dp", "tp"):
         m = measured[name]
         lines.append(f"{name:<4} {mesh.size(name):>4} {m['calls']:>10g} {m['bytes']:>16.0f} "
-                     f"{predicted[name]:>17}")
+                     f"{predicted[name]:>17} {m['ms']:>8.2f}")
     return "\n".join(lines)
 
 
@@ -192,7 +193,8 @@ def train_on_mesh(pg, args, dense: RowTransformer, tracer: Tracer = None) -> dic
     steps = len(step_losses)
     for group in counted.values():
         group.counting = False
-    measured = {name: {"bytes": g.bytes / steps, "calls": g.calls / steps}
+    measured = {name: {"bytes": g.bytes / steps, "calls": g.calls / steps,
+                       "ms": round(1e3 * g.seconds / steps, 3)}
                 for name, g in counted.items()}
     return {"losses": losses, "step_losses": step_losses, "steps": steps, "mesh": mesh,
             "measured": measured, "model": model,
@@ -215,11 +217,13 @@ def main(args):
     wall_s = time.perf_counter() - start
     acc = accuracy(run["model"], args)
 
-    everyone = pg.all_gather_object(run["measured"])      # the same on every rank?
+    # The bytes and calls are the same on every rank? (The times are each rank's own.)
+    mine = {name: (m["bytes"], m["calls"]) for name, m in run["measured"].items()}
+    everyone = pg.all_gather_object(mine)
     if pg.rank == 0:
-        print(f"communication account (bytes per step, {run['steps']} steps, batch "
-              f"{args.batch_size} per dp rank; measured on rank 0, "
-              f"{'equal' if all(m == everyone[0] for m in everyone) else 'NOT equal'} on "
+        same = "equal" if all(m == everyone[0] for m in everyone) else "NOT equal"
+        print(f"communication account (per step, {run['steps']} steps, batch "
+              f"{args.batch_size} per dp rank; measured on rank 0, bytes {same} on "
               f"every rank):\n{account_table(run['measured'], run['predicted'], run['mesh'])}",
               flush=True)
         print("account " + json.dumps({"measured": run["measured"],

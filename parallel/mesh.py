@@ -89,7 +89,8 @@ class DeviceMesh:
         mesh.ranks("tp")         # (2, 3): ranks of ``group``
 
     A shape whose product is not ``group.size`` is a ``ValueError`` naming both; ``names``
-    must be unique non-empty strings, one per dimension.
+    must be unique non-empty strings, one per dimension. An unknown name is a ``KeyError``
+    in ``mesh[name]`` and a ``ValueError`` in the methods, listing the mesh's names.
     """
 
     def __init__(self, group: Any, shape: Sequence[int], names: Sequence[str]) -> None:
@@ -105,15 +106,15 @@ class DeviceMesh:
             self._ranks[name] = mine
             self._groups[name] = group.new_group(list(mine))
 
-    def _dim(self, name: Any, op: str) -> str:
-        if name not in self._groups:
-            raise KeyError(f"[rank {self.rank}/{self.parent.size}] DeviceMesh.{op}: no "
-                           f"dimension {name!r}; the mesh's names are {self.names}")
+    def _dim(self, name: Any, op: str, error: type = ValueError) -> str:
+        if not isinstance(name, str) or name not in self._groups:
+            raise error(f"[rank {self.rank}/{self.parent.size}] DeviceMesh.{op}: no "
+                        f"dimension {name!r}; the mesh's names are {self.names}")
         return name
 
     def __getitem__(self, name: str) -> Any:
         """This rank's sub-group along dimension ``name``."""
-        return self._groups[self._dim(name, "__getitem__")]
+        return self._groups[self._dim(name, "__getitem__", KeyError)]
 
     def group(self, name: str) -> Any:
         """This rank's sub-group along dimension ``name`` (the same as ``mesh[name]``)."""

@@ -145,6 +145,9 @@ def test_bad_input_is_a_clear_error():
             mesh["pp"]
         except KeyError as exc:
             errors["pp"] = ("KeyError", str(exc))
+        for method in (mesh.group, mesh.size, mesh.local_rank, mesh.ranks):
+            with pytest.raises(ValueError, match="no dimension 'pp'"):
+                method("pp")
         try:
             DeviceMesh(object(), (1,), ("dp",))
         except TypeError as exc:
@@ -308,6 +311,58 @@ def test_mesh_run_follows_the_single_process_model():
     assert runs[0]["step_losses"] == runs[1]["step_losses"]   # one tp pair: the same batch
 
 
+_FOLLOW = ["--dp", "2", "--tp", "2", "--max-steps", "8"]
+
+
+def _follow_on(pg) -> list:
+    """This rank's step losses of the small dp=2 x tp=2 run (DDP and FSDP) in a real job."""
+    import torch
+    from examples.mesh import dense_model, train_on_mesh
+    torch.set_num_threads(1)
+    out = []
+    for extra in ([], ["--fsdp"]):
+        args = _example_args(*_FOLLOW, *extra)
+        out.append(train_on_mesh(pg, args, dense_model(args))["step_losses"])
+    return out
+
+
+def _follow_job() -> dict:
+    pg = collectives.init_process_group()
+    try:
+        return {"backend": pg.backend, "result": _follow_on(pg)}
+    finally:
+        pg.close()
+
+
+def _assert_follows(reports: list) -> None:
+    single = _train_threads(_example_args("--dp", "1", "--tp", "1", "--batch-size", "16",
+                                          "--max-steps", "8"))[0]["step_losses"]
+    for strategy in (0, 1):                               # DDP, FSDP
+        for tp_rank in (0, 1):
+            a, b = (reports[r]["result"][strategy] for r in (tp_rank, 2 + tp_rank))
+            mean = [(x + y) / 2 for x, y in zip(a, b)]
+            assert len(mean) == 8
+            for ours, theirs in zip(mean, single):
+                assert abs(ours - theirs) <= 1e-4 * abs(theirs), (strategy, mean, single)
+
+
+@pytest.mark.slow
+def test_real_processes_follow_the_single_process_model():
+    """On 4 shm ranks, DDP and FSDP over dp: the step losses of one process (8 steps)."""
+    reports = collectives.spawn(_follow_job, 4, backend="shm", timeout=60, join_timeout=200)
+    _assert_follows(reports)
+
+
+@pytest.mark.slow
+@needs_mpi
+def test_under_mpiexec_follows_the_single_process_model(tmp_path):
+    proc = subprocess.run([MPIEXEC, "-n", "4", sys.executable, __file__, str(tmp_path),
+                           "follow"], cwd=ROOT, env=_env(), stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _assert_follows([json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)])
+
+
 def _run_example(argv: list, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "examples/mesh.py", *argv], cwd=ROOT, env=_env(),
                           stdin=subprocess.DEVNULL, capture_output=True, text=True,
@@ -323,7 +378,7 @@ def _check_example_output(proc: subprocess.CompletedProcess) -> dict:
     account = json.loads(next(l for l in lines if l.startswith("account "))[len("account "):])
     for name in ("dp", "tp"):
         assert account["measured"][name]["bytes"] == account["predicted"][name] > 0, account
-    assert "equal on every rank" in proc.stdout
+    assert "bytes equal on every rank" in proc.stdout
     return summary
 
 
@@ -394,7 +449,9 @@ def test_parallel_mesh_imports_no_transport():
 if __name__ == "__main__":  # one rank of test_under_mpiexec's job: python test_mesh.py DIR
     _pg = collectives.init_process_group()
     try:
-        _report = {"backend": _pg.backend, "result": _job_on(_pg)}
+        _follow = sys.argv[2:] == ["follow"]
+        _report = {"backend": _pg.backend,
+                   "result": _follow_on(_pg) if _follow else _job_on(_pg)}
         Path(sys.argv[1], f"rank{_pg.rank}.json").write_text(json.dumps(_report))
         _pg.barrier()
     finally:
