@@ -7,10 +7,11 @@ or ``torch.distributed``.
 from .bucket import Bucket, assign_buckets
 from .ddp import DDP, DistributedDataParallel
 from .fsdp import FSDP, FullyShardedDataParallel
+from .mesh import DeviceMesh
 from .sampler import ShardSampler
 from . import tp  # parallel.tp: tensor parallelism, a package
 
 from . import pp  # noqa: E402  pipeline parallelism: parallel.pp.PipelineStage, Schedule1F1B, ...
 
 __all__ = ["DDP", "FSDP", "Bucket", "DistributedDataParallel", "FullyShardedDataParallel",
-           "ShardSampler", "assign_buckets", "pp", "tp"]
+           "ShardSampler", "assign_buckets", "pp", "tp", "DeviceMesh"]

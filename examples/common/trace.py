@@ -66,9 +66,11 @@ class Tracer:
             self._add(name=name, cat=cat, ph="X", ts=start_s * 1e6,
                       dur=(end_s - start_s) * 1e6, tid=0, args=args)
 
-    def wrap(self, group: Any) -> Any:
-        """``group`` itself, or (when enabled) a proxy recording its collectives."""
-        return _TracedGroup(group, self) if self.enabled else group
+    def wrap(self, group: Any, label: Optional[str] = None) -> Any:
+        """``group`` itself, or (when enabled) a proxy recording its collectives. With a
+        ``label`` (a mesh dimension: ``"tp"``), each slice is named ``"tp all_reduce"`` and
+        carries ``{"dim": "tp"}`` in its arguments."""
+        return _TracedGroup(group, self, label) if self.enabled else group
 
     def write(self, group: Any, path: Optional[str]) -> None:
         """Gather every rank's events (a collective: call it on every rank); rank 0
@@ -87,24 +89,28 @@ class Tracer:
 class _TracedGroup:
     """A process group whose collectives leave trace events; everything else passes through."""
 
-    def __init__(self, group: Any, tracer: Tracer) -> None:
-        self._group, self._tracer = group, tracer
+    def __init__(self, group: Any, tracer: Tracer, label: Optional[str] = None) -> None:
+        self._group, self._tracer, self._label = group, tracer, label
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._group, name)
         if name not in _TRACED:
             return attr
 
+        label = self._label
+        slice_name = name if label is None else f"{label} {name}"
+
         def traced(*args: Any, **kwargs: Any) -> Any:
             tracer, ident = self._tracer, next(self._tracer._ids)
             nbytes = next((a.numel() * a.element_size() for a in args if hasattr(a, "numel")), 0)
             start = _now_us()
-            tracer._add(name=name, cat="comm", ph="b", id=ident, ts=start, args={"bytes": nbytes})
+            info = {"bytes": nbytes} if label is None else {"bytes": nbytes, "dim": label}
+            tracer._add(name=slice_name, cat="comm", ph="b", id=ident, ts=start, args=info)
             result = attr(*args, **kwargs)
             if result is None or not hasattr(result, "wait"):
-                tracer._add(name=name, cat="comm", ph="e", id=ident, ts=_now_us())
+                tracer._add(name=slice_name, cat="comm", ph="e", id=ident, ts=_now_us())
                 return result
-            return _TracedWork(result, tracer, name, ident)
+            return _TracedWork(result, tracer, slice_name, ident)
 
         return traced
 

@@ -1,0 +1,88 @@
+"""The communication account of a mesh run: bytes per mesh dimension, measured by a wrapper
+around each dimension's group, next to what the model's sizes predict.
+
+A call's time is the caller's: from the call to its return, plus (for ``async_op=True``)
+the time blocked in ``Work.wait()``; communication hidden behind computation does not
+count. A call's bytes are the size of its whole buffer, the same on every rank: the tensor of
+``all_reduce`` and ``broadcast``, the gathered ``output`` of ``all_gather``, the ``input``
+of ``reduce_scatter`` (the largest array argument of the call). A group of one rank moves
+nothing and counts 0. Object collectives (``all_gather_object``...) are not counted: the
+strategies use them only at construction, before the account starts.
+
+::
+
+    tp = CountingGroup(mesh["tp"])                  # then give ``tp`` to the layers
+    tp.start()                                      # count from here (after set-up)
+    ...                                             # train
+    tp.bytes / steps, tp.seconds / steps            # per step on the tp dimension
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+__all__ = ["COUNTED", "CountingGroup", "nbytes_of_call"]
+
+#: The collectives the account counts.
+COUNTED = frozenset({"all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter",
+                     "reduce_scatter", "all_to_all", "send", "recv", "isend", "irecv"})
+
+
+def nbytes_of_call(args: tuple, kwargs: dict) -> int:
+    """The largest array (torch tensor or numpy array) argument's size in bytes."""
+    sizes = [a.numel() * a.element_size() if hasattr(a, "numel") else a.nbytes
+             for a in list(args) + list(kwargs.values())
+             if hasattr(a, "numel") or hasattr(a, "nbytes")]
+    return max(sizes, default=0)
+
+
+class CountingGroup:
+    """``group`` with a byte and call counter on its collectives (after :meth:`start`);
+    everything else passes through, so strategies take it where they take a group."""
+
+    def __init__(self, group: Any) -> None:
+        self._group = group
+        self.counting = False
+        self.bytes = 0
+        self.calls = 0
+        self.seconds = 0.0
+
+    def start(self) -> None:
+        """Reset the counters and count from now on."""
+        self.counting, self.bytes, self.calls, self.seconds = True, 0, 0, 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._group, name)
+        if name not in COUNTED:
+            return attr
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if not (self.counting and self._group.size > 1):
+                return attr(*args, **kwargs)
+            self.bytes += nbytes_of_call(args, kwargs)
+            self.calls += 1
+            start = time.perf_counter()
+            result = attr(*args, **kwargs)
+            self.seconds += time.perf_counter() - start
+            return result if result is None or not hasattr(result, "wait") else \
+                _TimedWork(result, self)
+
+        return counted
+
+
+class _TimedWork:
+    """A Work whose ``wait`` adds the time blocked in it to the group's ``seconds``."""
+
+    def __init__(self, work: Any, owner: CountingGroup) -> None:
+        self._work, self._owner = work, owner
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        start = time.perf_counter()
+        try:
+            return self._work.wait(timeout)
+        finally:
+            self._owner.seconds += time.perf_counter() - start
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)

@@ -1,0 +1,83 @@
+"""Draw a window of a ``--trace`` file as a PNG: one row per rank, the training phases
+(forward, backward, step) as grey bars, every collective below them coloured by its mesh
+dimension (the ``dim`` the tracer's ``wrap(group, label)`` recorded), one lane per
+dimension. A collective's bar runs from its call to the moment its result was available
+(for async calls, the return of ``wait()``), as in the trace.
+
+    python examples/mesh.py --dp 2 --tp 2 --fsdp --trace mesh.json
+    python examples/plot_trace.py mesh.json mesh.png --step 20 --steps 2
+
+``--step`` is the first training step drawn (counted by rank 0's ``forward`` slices),
+``--steps`` how many.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+COLOURS = {"dp": "tab:blue", "tp": "tab:orange", "pp": "tab:green", None: "tab:grey"}
+PHASES = {"forward": "#d0d0d0", "backward": "#a8a8a8", "step": "#707070"}
+
+
+def comm_slices(events: list) -> list:
+    """(rank, name, dim, start_us, end_us) of every collective: its "b" and "e" events."""
+    begins, out = {}, []
+    for e in events:
+        if e.get("cat") != "comm":
+            continue
+        key = (e["pid"], e["id"])
+        if e["ph"] == "b":
+            begins[key] = e
+        elif e["ph"] == "e" and key in begins:
+            b = begins.pop(key)
+            out.append((e["pid"], e["name"], b.get("args", {}).get("dim"), b["ts"], e["ts"]))
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trace")
+    p.add_argument("png")
+    p.add_argument("--step", type=int, default=20, help="first step drawn (default: 20)")
+    p.add_argument("--steps", type=int, default=2, help="steps drawn (default: 2)")
+    args = p.parse_args(argv)
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    events = json.load(open(args.trace))["traceEvents"]
+    forwards = sorted(e["ts"] for e in events if e.get("name") == "forward" and e["pid"] == 0)
+    if len(forwards) < args.step + args.steps + 1:
+        raise SystemExit(f"plot_trace: the trace has {len(forwards)} steps; choose an "
+                         f"earlier --step")
+    t0, t1 = forwards[args.step], forwards[args.step + args.steps]
+    ranks = sorted({e["pid"] for e in events if "pid" in e})
+    fig, ax = plt.subplots(figsize=(12, 0.9 * len(ranks) + 1.2))
+    for e in events:
+        if e.get("ph") == "X" and e["name"] in PHASES and t0 <= e["ts"] < t1:
+            ax.broken_barh([((e["ts"] - t0) / 1e3, e["dur"] / 1e3)], (e["pid"] - 0.4, 0.35),
+                           color=PHASES[e["name"]])
+    lanes = {"dp": 0.0, "tp": 0.2, "pp": 0.4}   # one lane per dimension: overlaps stay visible
+    for rank, name, dim, start, end in comm_slices(events):
+        if t0 <= start < t1:
+            ax.broken_barh([((start - t0) / 1e3, max(end - start, 1.0) / 1e3)],
+                           (rank + lanes.get(dim, 0.4), 0.17),
+                           color=COLOURS.get(dim, "tab:grey"))
+    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms from the start of the first step drawn")
+    ax.set_title(f"{os.path.basename(args.trace)}: steps {args.step}-{args.step + args.steps - 1}")
+    handles = [Patch(color=c, label=n) for n, c in PHASES.items()]
+    handles += [Patch(color=COLOURS[d], label=f"{d} collectives") for d in ("dp", "tp")]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=5)
+    fig.tight_layout()
+    fig.savefig(args.png, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

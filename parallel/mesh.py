@@ -1,0 +1,144 @@
+"""A device mesh: the ranks of one group laid out as an n-dimensional array, with one
+sub-group per dimension (PyTorch's ``init_device_mesh``, row-major).
+
+Rank r sits at ``numpy.unravel_index(r, shape)``; its sub-group along dimension ``d`` is
+the ranks whose coordinates equal its own everywhere but in ``d``, in increasing order
+(so its rank there is its coordinate ``d``). Eight ranks as ``(2, 2, 2)`` named
+``("dp", "pp", "tp")``: rank 5 is at (1, 0, 1); its ``tp`` group is {4, 5}, its ``pp``
+group {5, 7}, its ``dp`` group {1, 5}.
+
+Why no deadlock: ``ProcessGroup.new_group`` is called by member ranks only, and some
+transports (shm) block in it until every member attached. Every rank belongs to exactly
+one sub-group per dimension and creates them in dimension order, so its k-th ``new_group``
+call is its dimension-k group, which every other member also creates as its k-th call. By
+induction over k, every member of a dimension-k group arrives at it once they all finished
+dimension k-1: no rank waits in one group for a peer that waits in another.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+__all__ = ["DeviceMesh", "mesh_groups"]
+
+_GROUP_ATTRS = ("rank", "size", "new_group")
+
+
+def mesh_groups(shape: Sequence[int], dim: int) -> list:
+    """Every sub-group along ``dim`` of a row-major mesh of ``shape``, as tuples of ranks, in
+    the order ``init_device_mesh`` creates them (``arange.reshape(shape)`` with ``dim`` moved
+    last, then one group per row).
+
+    ``mesh_groups((2, 2), 0)`` -> ``[(0, 2), (1, 3)]``; ``mesh_groups((2, 2), 1)`` ->
+    ``[(0, 1), (2, 3)]``.
+    """
+    shape = tuple(shape)
+    ranks = np.arange(int(np.prod(shape, dtype=np.int64))).reshape(shape)
+    rows = np.swapaxes(ranks, -1, dim).reshape(-1, shape[dim])
+    return [tuple(int(r) for r in row) for row in rows]
+
+
+def _check(group: Any, shape: Any, names: Any) -> tuple:
+    where = "DeviceMesh"
+    for attr in _GROUP_ATTRS:
+        if not hasattr(group, attr):
+            raise TypeError(f"{where}: argument `group` must be a collectives.ProcessGroup "
+                            f"(it has no `{attr}`), got {type(group).__name__}")
+    where = f"[rank {group.rank}/{group.size}] DeviceMesh"
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise TypeError(f"{where}: argument `shape` must be a sequence of ints, got "
+                        f"{type(shape).__name__}")
+    shape = tuple(shape)
+    if not shape or any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1
+                        for s in shape):
+        raise ValueError(f"{where}: argument `shape` must be a non-empty sequence of positive "
+                         f"ints, got {shape}")
+    shape = tuple(int(s) for s in shape)
+    if isinstance(names, str) or not hasattr(names, "__iter__"):
+        raise TypeError(f"{where}: argument `names` must be a sequence of strings (one per "
+                        f"dimension), got {names!r}")
+    names = tuple(names)
+    if not all(isinstance(n, str) and n for n in names):
+        raise TypeError(f"{where}: argument `names` must hold non-empty strings, got {names}")
+    if len(names) != len(shape):
+        raise ValueError(f"{where}: argument `names` {names} must name each dimension of "
+                         f"shape {shape}: {len(names)} names for {len(shape)} dimensions")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{where}: argument `names` must be unique, got {names}")
+    total = int(np.prod(shape, dtype=np.int64))
+    if total != group.size:
+        raise ValueError(f"{where}: shape {shape} holds {total} ranks but the group has "
+                         f"{group.size}; the product of the shape must equal the group size")
+    return shape, names
+
+
+class DeviceMesh:
+    """The ranks of ``group`` as a row-major array of ``shape``, one named sub-group per
+    dimension. A collective: every rank of ``group`` constructs it, with the same
+    arguments, in the same order relative to its other ``new_group`` calls.
+
+    Four ranks::
+
+        mesh = DeviceMesh(pg, (2, 2), ("dp", "tp"))
+        mesh.coordinate          # rank 3: (1, 1)
+        mesh["tp"]               # rank 3: the group of ranks (2, 3); mesh["tp"].rank == 1
+        mesh.group("dp")         # rank 3: the group of ranks (1, 3)
+        mesh.size("dp")          # 2; mesh.size() is 4
+        mesh.ranks("tp")         # (2, 3): ranks of ``group``
+
+    A shape whose product is not ``group.size`` is a ``ValueError`` naming both; ``names``
+    must be unique non-empty strings, one per dimension. An unknown name is a ``KeyError``
+    in ``mesh[name]`` and a ``ValueError`` in the methods, listing the mesh's names.
+    """
+
+    def __init__(self, group: Any, shape: Sequence[int], names: Sequence[str]) -> None:
+        self.shape, self.names = _check(group, shape, names)
+        self.parent = group
+        self.rank = group.rank
+        self.coordinate: tuple = tuple(int(c) for c in np.unravel_index(group.rank, self.shape))
+        self._ranks: dict = {}
+        self._groups: dict = {}
+        # One sub-group per dimension, dimensions in order (see the module's docstring).
+        for dim, name in enumerate(self.names):
+            mine = next(g for g in mesh_groups(self.shape, dim) if group.rank in g)
+            self._ranks[name] = mine
+            self._groups[name] = group.new_group(list(mine))
+
+    def _dim(self, name: Any, op: str, error: type = ValueError) -> str:
+        if not isinstance(name, str) or name not in self._groups:
+            raise error(f"[rank {self.rank}/{self.parent.size}] DeviceMesh.{op}: no "
+                        f"dimension {name!r}; the mesh's names are {self.names}")
+        return name
+
+    def __getitem__(self, name: str) -> Any:
+        """This rank's sub-group along dimension ``name``."""
+        return self._groups[self._dim(name, "__getitem__", KeyError)]
+
+    def group(self, name: str) -> Any:
+        """This rank's sub-group along dimension ``name`` (the same as ``mesh[name]``)."""
+        return self._groups[self._dim(name, "group")]
+
+    def size(self, name: Optional[str] = None) -> int:
+        """The length of dimension ``name``; without a name, the number of ranks."""
+        if name is None:
+            return self.parent.size
+        return self.shape[self.names.index(self._dim(name, "size"))]
+
+    def local_rank(self, name: str) -> int:
+        """This rank's coordinate along ``name``: its rank in ``mesh[name]``."""
+        return self.coordinate[self.names.index(self._dim(name, "local_rank"))]
+
+    def ranks(self, name: str) -> tuple:
+        """The ranks (of the parent group) in this rank's sub-group along ``name``."""
+        return self._ranks[self._dim(name, "ranks")]
+
+    def close(self) -> None:
+        """Close the sub-groups (not the parent group)."""
+        for g in self._groups.values():
+            g.close()
+
+    def __repr__(self) -> str:
+        dims = ", ".join(f"{n}={s}" for n, s in zip(self.names, self.shape))
+        return f"DeviceMesh({dims}; rank {self.rank} at {self.coordinate})"
