@@ -83,6 +83,7 @@ import torch.distributed as dist
 from collectives.buffers import HostBuffer, to_host
 from collectives.errors import CollectiveError, CollectiveTimeout, PeerError
 from collectives.errors import where as _where
+from collectives.algorithms.links import fold_tag
 from collectives.group import ProcessGroup
 from collectives.lifetime import close_at_exit, forget_at_exit, process_alive
 from collectives.launch import Rendezvous
@@ -200,12 +201,7 @@ def _wire_tag(tag: int) -> int:
     """A c10d tag (a C int) for a tag of this library (below 2**63)."""
     if tag < _MAX_C10D_TAG:
         return tag
-    # Keep the algorithm step (bits 0..11) and the low sequence bits; mix in the rest
-    # (collective bit, high sequence bits, sub-group id) so that neighbours stay apart.
-    # (Not collectives.algorithms.links.fold_tag: over 30 bits its hash let 6 of the
-    # 1249 tags of test_wire_tags_fit_a_c_int collide.)
-    high = (tag >> 30) * 0x9E3779B1 & 0x3FFFF
-    return _FOLDED_TAG_BASE | ((((tag >> 12) & 0x3FFFF) ^ high) << 12) | (tag & 0xFFF)
+    return _FOLDED_TAG_BASE | fold_tag(tag, 30)
 
 
 # ------------------------------------------------------------------------------ Work

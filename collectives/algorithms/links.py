@@ -82,15 +82,16 @@ def wait_all(works: Iterable[Work]) -> None:
 
 
 def fold_tag(tag: int, bits: int) -> int:
-    """An MPI tag below ``2**bits`` for an internal tag (>= 2**31) of this library: the
-    low ``bits`` bits, with a hash of the higher bits mixed into bits 12 and up (the
-    algorithm step, bits 0..11, is kept as is).
+    """A tag below ``2**bits`` for a tag of this library (>= 2**31: the collective bit,
+    the sequence number, a sub-group's id), for transports whose tags are narrower
+    (MPI's ``TAG_UB``, a C int in c10d). The algorithm step (bits 0..11) is kept as is;
+    the sequence bits above it are XORed with a hash of everything above ``bits``, so
+    one group's consecutive collectives never share a tag within ``2**(bits-12)`` and
+    sub-groups are spread apart.
 
     >>> fold_tag((1 << 39) | (5 << 12) | 3, 29) & 0xFFF
     3
     """
-    mask = (1 << bits) - 1
-    high = tag >> bits
-    mix = (high * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-    mix ^= mix >> 31
-    return (tag & mask) ^ ((mix << 12) & mask)
+    mask = (1 << (bits - 12)) - 1
+    high = (tag >> bits) * 0x9E3779B1 & mask
+    return ((((tag >> 12) & mask) ^ high) << 12) | (tag & 0xFFF)
