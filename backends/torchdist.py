@@ -863,8 +863,6 @@ _STORES_LOCK = threading.RLock()
 #: Keys of the open/close handshake of rank 0's server (see `_Meeting`), per world index.
 _OPEN_KEY = "collectives/meeting/open/"
 _CLOSED_KEY = "collectives/meeting/closed/"
-_RELEASED_KEY = "collectives/meeting/released/"
-_LEFT_KEY = "collectives/meeting/left/"
 #: How long rank 0, at its last close, waits for the other ranks' reports that they
 #: closed theirs, before it stops its server anyway (a late rank's report is lost: it
 #: no longer needs the store, which only set up the groups).
@@ -879,20 +877,18 @@ class _Meeting:
     Where rank 0 serves the store (not under torchrun, whose agent serves it for the
     whole job), two rules keep its server from going away under a rank that needs it:
 
-    - at its last close rank 0 waits (up to ``_CLOSE_WAIT_S``) until every other rank
-      reported on the store that it closed its groups of world k (``closed/k``), then
-      writes ``released/k``; the other ranks, once they see ``released/k``, report that
-      they are leaving (``left/k``) and disconnect, and rank 0 lets the server go once
-      all of them left (so a close is collective, as a group's close is anyway). Without
-      that last report the server could go while a client's wait for ``released/k`` was
-      still to be answered: torch then prints a warning with a 24-frame C++ stack
-      (``recvValueWithTimeout failed``) in a run that went well;
-    - a rank that connects for world k waits until rank 0 wrote ``open/k`` on the server
-      it reached. A fast rank may still reach the server of world k-1 in the moment
-      between ``released/k-1`` and its stop (at the same port); its wait then breaks
-      with the connection (torch prints a warning), and it connects again, to the server
-      rank 0 starts for world k. Rank 0 writes ``open/k`` only on the server it opened
-      world k with, so no rank settles on a dying server.
+    - at its last close every other rank reports on the store that it closed its groups
+      of world k (``closed/k``) and disconnects at once; rank 0 waits (up to
+      ``_CLOSE_WAIT_S``) for every report, then lets the server go. No request of a
+      client is pending when the server goes, so torch prints nothing (a client blocked
+      in a wait that the server's stop broke made torch print a warning with a 24-frame
+      C++ stack, in runs that went well). A close is thus collective, as a group's close
+      is anyway;
+    - a rank that connects for world k first asks the server it reached for
+      ``closed/k-1``: there, it is the last world's server, still waiting for the other
+      ranks' reports, and the rank comes back 50 ms later instead of waiting on it. On
+      the right server it waits until rank 0 wrote ``open/k``, which rank 0 writes only
+      on the server it opened world k with, so no rank settles on a dying server.
 
     Each world's keys live under a prefix of their own, so a server that outlived a close
     (torch's multi-tenant sharing, or a broken world kept alive) is reused safely.
@@ -922,22 +918,16 @@ class _Meeting:
             self._forget()
         if not self.handshake or broken or store is None:
             return
-        released, left = f"{_RELEASED_KEY}{self.world}", f"{_LEFT_KEY}{self.world}"
         try:
             if not self.serving:
+                # Report and disconnect: nothing of ours is pending on the server when it
+                # goes, so torch has nothing to warn about. A rank that comes back for its
+                # next world at once may reach this server still; it sees this report
+                # there and waits for the next server (see `_open_store`).
                 store.add(closed, 1)
-                # Disconnect only once rank 0 lets its server go: a rank that connected
-                # for its next world at once would reach the old server (see the class).
-                store.wait([released], datetime.timedelta(seconds=_CLOSE_WAIT_S + 1.0))
-                store.add(left, 1)
                 return
-            others = self.world_size - 1
             deadline = time.monotonic() + _CLOSE_WAIT_S
-            while store.add(closed, 0) < others and time.monotonic() < deadline:
-                time.sleep(0.002)
-            store.set(released, "1")
-            deadline = time.monotonic() + _CLOSE_WAIT_S
-            while store.add(left, 0) < others and time.monotonic() < deadline:
+            while store.add(closed, 0) < self.world_size - 1 and time.monotonic() < deadline:
                 time.sleep(0.002)
         except RuntimeError:  # the server is gone already, or a report could not land
             pass
@@ -1008,12 +998,17 @@ def _open_store(key: tuple, rendezvous: Rendezvous, timeout: float, world: int) 
         remaining = max(0.001, deadline - time.monotonic())
         store = connect(remaining)
         try:
-            if world > 0 and store.check([f"{_RELEASED_KEY}{world - 1}"]):
-                # The server of the last world, which rank 0 lets go once every rank
-                # left it: do not wait on it (a wait broken by its stop makes torch print
-                # a warning with a C++ stack); come back for the next one.
-                raise RuntimeError(f"rank 0 still serves world {world - 1} at this port")
-            store.wait([f"{_OPEN_KEY}{world}"], datetime.timedelta(seconds=remaining))
+            # Polled, never a blocking wait: a wait that the stop of the last world's
+            # server breaks makes torch print a warning with a C++ stack.
+            opened = f"{_OPEN_KEY}{world}"
+            while not store.check([opened]):
+                if world > 0 and store.check([f"{_CLOSED_KEY}{world - 1}"]):
+                    # The server of the last world, which rank 0 lets go once every
+                    # rank reported: come back for the next one.
+                    raise _OldServer(f"rank 0 still serves world {world - 1} at this port")
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"no {opened} on the server")
+                time.sleep(0.002)
             store.set_timeout(datetime.timedelta(seconds=timeout))
             return _Meeting(key, store, serving=False, handshake=True)
         except RuntimeError as exc:
@@ -1022,7 +1017,13 @@ def _open_store(key: tuple, rendezvous: Rendezvous, timeout: float, world: int) 
                 raise CollectiveTimeout(f"{what}: rank 0 did not open world {world} at this "
                                         f"port within {timeout:g} s ({_first_line(exc)})",
                                         op="init", missing=[0]) from exc
-            time.sleep(0.005)
+            # A server on its way out takes some milliseconds to go: each request that
+            # reaches it meanwhile makes torch print a warning, so do not hammer it.
+            time.sleep(0.05 if isinstance(exc, _OldServer) else 0.005)
+
+
+class _OldServer(RuntimeError):
+    """The store a joining rank reached is the last world's, which is going away."""
 
 
 def _construct(make: Callable[[], Any], where: str, timeout: float) -> Any:
