@@ -560,11 +560,13 @@ def _spawnable_backends() -> list:
 
 @pytest.mark.parametrize("backend, nproc",
                          [("shm", 3)] + [(b, 2) for b in _spawnable_backends() if b != "shm"]
-                         + [pytest.param("shm", 4, marks=pytest.mark.slow)])
+                         + [pytest.param("shm", 4, marks=pytest.mark.slow)]
+                         + [pytest.param(b, n, marks=pytest.mark.slow)
+                            for b in _spawnable_backends() if b != "shm" for n in (4,)])
 def test_spawned(backend, nproc):
     """One job per backend (starting ranks is the expensive part): shm, the default, at
-    world sizes 3 and 2 (a sub-group), and 4, 3, 2 in the slow set; the others at 2 (the
-    thread world covers 2, 3 and 4 on every strategy)."""
+    world sizes 3 and 2 (a sub-group), and 4, 3, 2 in the slow set; the others at 2, and at
+    4, 3, 2 in the slow set (the thread world covers 2, 3 and 4 on every strategy)."""
     if backend != "shm":
         try:
             collectives.get_backend(backend)
@@ -579,15 +581,18 @@ MPIEXEC = shutil.which(os.environ.get("MPIEXEC") or "mpiexec") or shutil.which("
 
 @pytest.mark.skipif(MPIEXEC is None or "mpi" not in collectives.available_backends(),
                     reason="needs mpiexec and mpi4py")
-def test_under_mpiexec():
-    """The same checks on the mpi backend, started by mpiexec (this file is the script)."""
+@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_under_mpiexec(nproc):
+    """The same checks on the mpi backend, started by mpiexec (this file is the script):
+    2 ranks, and 4 (then 3 and 2 on sub-groups) in the slow set."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, __file__, "--job"],
-                          capture_output=True, text=True, timeout=150, env=env, cwd=ROOT)
+    proc = subprocess.run([MPIEXEC, "-n", str(nproc), sys.executable, __file__, "--job"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("[")]
     assert len(lines) == 1, proc.stdout
-    _assert_spawned([r["2"] for r in lines[0]])      # (JSON keys are strings)
+    for size in range(2, nproc + 1):
+        _assert_spawned([r[str(size)] for r in lines[0][:size]])   # (JSON keys are strings)
 
 
 # ------------------------------------------------------------------ single-process API
@@ -728,9 +733,9 @@ def test_example_reaches_accuracy(args):
 
 if __name__ == "__main__" and "--job" in sys.argv:   # the mpiexec job of test_under_mpiexec
     torch.set_num_threads(1)
-    _pg = collectives.init_process_group()
-    _mine = {_pg.size: _all_spawned_checks(_pg)}
-    _everyone = _pg.all_gather_object(_mine)
-    if _pg.rank == 0:
+    _results = _spawned_job()   # this world, then sub-groups of its first ranks down to 2
+    _meet = collectives.init_process_group()
+    _everyone = _meet.all_gather_object(_results)
+    if _meet.rank == 0:
         print(json.dumps(_everyone), flush=True)
-    _pg.close()
+    _meet.close()
