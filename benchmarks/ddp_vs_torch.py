@@ -30,11 +30,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -42,7 +41,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import collectives  # noqa: E402
-from collectives.mpiexec import MpiexecUnavailable, find_mpiexec  # noqa: E402
+from benchmarks.mpi_jobs import run_under_mpiexec, unavailable  # noqa: E402
 from examples.common.harness import build_mlp  # noqa: E402
 from examples.common.mnist import load_mnist  # noqa: E402
 
@@ -109,32 +108,11 @@ def run_plain(threads: int, batch: int, steps: int, warmup: int, cap_mb: float) 
     return _train(build_mlp(SEED), 0, batch, steps, warmup, lambda: None)
 
 
-def _mpiexec() -> tuple[Optional[str], str]:
-    """The mpiexec program, or None and why not."""
-    try:
-        return find_mpiexec(), ""
-    except MpiexecUnavailable as exc:
-        return None, str(exc)
-
-
 def run_mpi(n: int, work: tuple, timeout: float) -> float:
     """parallel.DDP on the mpi backend, ``n`` ranks started by mpiexec; the slowest rank's
     seconds (RuntimeError with mpiexec's output if it fails)."""
-    program, why = _mpiexec()
-    if program is None:
-        raise RuntimeError(why)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    env["OMP_NUM_THREADS"] = str(work[0])
-    command = [program, "-n", str(n), sys.executable, __file__, "--mpi-rank",
-               json.dumps(list(work))]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
-    found = [line for line in proc.stdout.splitlines() if line.startswith("SECONDS ")]
-    if proc.returncode != 0 or not found:
-        raise RuntimeError(f"{' '.join(command)} exited with code {proc.returncode}:\n"
-                           f"{(proc.stdout + proc.stderr)[-3000:]}")
-    return float(found[-1].split()[1])
+    return float(run_under_mpiexec(__file__, n, work, timeout=timeout, tag="SECONDS",
+                                   threads=work[0]))
 
 
 def _mpi_rank(work_json: str) -> int:
@@ -143,15 +121,6 @@ def _mpi_rank(work_json: str) -> int:
     if collectives.detect_rendezvous().rank == 0:
         print(f"SECONDS {seconds!r}", flush=True)
     return 0
-
-
-def _unavailable(backend: str) -> Optional[str]:
-    """Why our DDP cannot run on ``backend`` here, or None."""
-    if backend not in collectives.available_backends():
-        return f"backend {backend!r} is not installed"
-    if backend == "mpi":
-        return _mpiexec()[1] or None
-    return None
 
 
 def main() -> int:
@@ -181,7 +150,7 @@ def main() -> int:
     worlds = [int(v) for v in a.world.split(",") if v]
     cases: list[tuple[str, str, int]] = [] if a.no_plain else [("plain", "-", 1)]
     for backend in (b for b in a.backends.split(",") if b):
-        why = _unavailable(backend)
+        why = unavailable(backend)
         if why:
             print(f"# parallel.DDP on {backend}: skipped, {why}", flush=True)
             continue

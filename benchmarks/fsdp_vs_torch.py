@@ -31,11 +31,10 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -44,7 +43,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import collectives  # noqa: E402
-from collectives.mpiexec import MpiexecUnavailable, find_mpiexec  # noqa: E402
+from benchmarks.mpi_jobs import run_under_mpiexec, unavailable  # noqa: E402
 from examples.common.harness import build_mlp  # noqa: E402
 from examples.common.mnist import load_mnist  # noqa: E402
 
@@ -113,30 +112,10 @@ def run_torch(threads: int, batch: int, steps: int, warmup: int) -> list:
     return out.tolist() + [None]
 
 
-def _mpiexec() -> tuple[Optional[str], str]:
-    try:
-        return find_mpiexec(), ""
-    except MpiexecUnavailable as exc:
-        return None, str(exc)
-
-
 def run_mpi(n: int, work: tuple, timeout: float) -> list:
     """parallel.FSDP on the mpi backend, ``n`` ranks started by mpiexec."""
-    program, why = _mpiexec()
-    if program is None:
-        raise RuntimeError(why)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    env["OMP_NUM_THREADS"] = str(work[0])
-    command = [program, "-n", str(n), sys.executable, __file__, "--mpi-rank",
-               json.dumps(list(work))]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
-    found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not found:
-        raise RuntimeError(f"{' '.join(command)} exited with code {proc.returncode}:\n"
-                           f"{(proc.stdout + proc.stderr)[-3000:]}")
-    return json.loads(found[-1][len("RESULT "):])
+    return json.loads(run_under_mpiexec(__file__, n, work, timeout=timeout, tag="RESULT",
+                                        threads=work[0]))
 
 
 def _mpi_rank(work_json: str) -> int:
@@ -144,14 +123,6 @@ def _mpi_rank(work_json: str) -> int:
     if collectives.detect_rendezvous().rank == 0:
         print(f"RESULT {json.dumps(result)}", flush=True)
     return 0
-
-
-def _unavailable(backend: str) -> Optional[str]:
-    if backend not in collectives.available_backends():
-        return f"backend {backend!r} is not installed"
-    if backend == "mpi":
-        return _mpiexec()[1] or None
-    return None
 
 
 def main() -> int:
@@ -176,7 +147,7 @@ def main() -> int:
     worlds = [int(v) for v in a.world.split(",") if v]
     cases: list[tuple[str, str, int]] = []
     for backend in (b for b in a.backends.split(",") if b):
-        why = _unavailable(backend)
+        why = unavailable(backend)
         if why:
             print(f"# parallel.FSDP on {backend}: skipped, {why}", flush=True)
             continue

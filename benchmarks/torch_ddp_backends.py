@@ -27,7 +27,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,7 +39,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import collectives  # noqa: E402
-from collectives.mpiexec import MpiexecUnavailable, find_mpiexec  # noqa: E402
+from benchmarks.mpi_jobs import run_under_mpiexec, unavailable  # noqa: E402
 from collectives.spawn import free_port  # noqa: E402
 from examples.common.harness import build_mlp  # noqa: E402
 from examples.common.mnist import load_mnist  # noqa: E402
@@ -83,31 +82,11 @@ def run_rank(backend: str, transport: str, threads: int, batch: int, steps: int,
     return float(seconds[0])
 
 
-def _mpiexec() -> tuple[Optional[str], str]:
-    try:
-        return find_mpiexec(), ""
-    except MpiexecUnavailable as exc:
-        return None, str(exc)
-
-
 def run_mpi(n: int, work: tuple, timeout: float) -> float:
     """The collectives backend on transport mpi, ``n`` ranks started by mpiexec."""
-    program, why = _mpiexec()
-    if program is None:
-        raise RuntimeError(why)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    env.update(OMP_NUM_THREADS=str(work[0]), MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()))
-    command = [program, "-n", str(n), sys.executable, __file__, "--mpi-rank",
-               json.dumps(list(work))]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
-    found = [line for line in proc.stdout.splitlines() if line.startswith("SECONDS ")]
-    if proc.returncode != 0 or not found:
-        raise RuntimeError(f"{' '.join(command)} exited with code {proc.returncode}:\n"
-                           f"{(proc.stdout + proc.stderr)[-3000:]}")
-    return float(found[-1].split()[1])
+    return float(run_under_mpiexec(
+        __file__, n, work, timeout=timeout, tag="SECONDS", threads=work[0],
+        env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}))
 
 
 def _mpi_rank(work_json: str) -> int:
@@ -115,14 +94,6 @@ def _mpi_rank(work_json: str) -> int:
     if collectives.detect_rendezvous().rank == 0:
         print(f"SECONDS {seconds!r}", flush=True)
     return 0
-
-
-def _unavailable(transport: str) -> Optional[str]:
-    if transport not in collectives.available_backends():
-        return f"transport {transport!r} is not installed"
-    if transport == "mpi":
-        return _mpiexec()[1] or None
-    return None
 
 
 def main() -> int:
@@ -149,7 +120,7 @@ def main() -> int:
     worlds = [int(v) for v in a.world.split(",") if v]
     cases: list[tuple[str, str, int]] = []
     for transport in (t for t in a.transports.split(",") if t):
-        why = _unavailable(transport)
+        why = unavailable(transport, "transport")
         if why:
             print(f"# collectives over {transport}: skipped, {why}", flush=True)
             continue

@@ -26,7 +26,7 @@ from torch.utils.data import BatchSampler  # noqa: E402
 
 import collectives  # noqa: E402
 from examples.common.harness import build_mlp, launch, parse_args  # noqa: E402
-from examples.common.harness import print_summary, progress  # noqa: E402
+from examples.common.harness import print_summary, progress, sharded_accuracy  # noqa: E402
 from examples.common.mnist import load_mnist  # noqa: E402
 from examples.common.trace import Tracer  # noqa: E402
 from parallel import DDP, ShardSampler  # noqa: E402
@@ -59,17 +59,12 @@ def main(args):
     wall_s = time.perf_counter() - start
     pg.all_reduce(loss_sum)  # the last epoch's mean loss over every rank's samples
 
-    model.eval()
-    with torch.no_grad():
-        mine = slice(pg.rank, None, pg.size)  # rank r scores test images r, r+n, ...
-        correct = (model(x_test[mine]).argmax(1) == y_test[mine]).sum()
-        counts = torch.tensor([correct.item(), len(y_test[mine])], dtype=torch.int64)
-    pg.all_reduce(counts)
+    final_acc = sharded_accuracy(model, pg, x_test, y_test)
 
     print_summary(pg.rank, example="ddp", backend=pg.backend, world_size=pg.size,
                   epochs=args.epochs, wall_s=wall_s, samples=args.epochs * sampler.total_size,
                   final_loss=(loss_sum[0] / loss_sum[1]).item(),
-                  final_acc=(counts[0] / counts[1]).item())
+                  final_acc=final_acc)
     tracer.write(pg, args.trace)
     pg.close()
 

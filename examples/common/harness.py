@@ -137,6 +137,19 @@ def progress(iterable: Iterable, rank: int, **kwargs: Any) -> Iterable:
     return tqdm(iterable, file=sys.stderr, dynamic_ncols=True, leave=False, **kwargs)
 
 
+def sharded_accuracy(model: Any, pg: Any, x_test: Any, y_test: Any) -> float:
+    """Test accuracy of a data-parallel ``model`` (the same on every rank): rank r scores
+    test images r, r+n, ..., and the counts are summed over ``pg``. A collective."""
+    import torch
+    model.eval()
+    with torch.no_grad():
+        mine = slice(pg.rank, None, pg.size)
+        correct = (model(x_test[mine]).argmax(1) == y_test[mine]).sum()
+        counts = torch.tensor([correct.item(), len(y_test[mine])], dtype=torch.int64)
+    pg.all_reduce(counts)
+    return (counts[0] / counts[1]).item()
+
+
 #: The keys of the closing JSON line, in order.
 SUMMARY_KEYS = ("example", "backend", "world_size", "epochs", "wall_s", "samples_per_s",
                 "final_loss", "final_acc")
