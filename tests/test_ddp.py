@@ -28,6 +28,7 @@ from torch import nn
 import collectives
 from collectives.testing.threads import run_threads
 from parallel import DDP
+from light_sgd import LightSGD as _SGD
 
 ROOT = Path(__file__).resolve().parent.parent
 D_IN, D_OUT = 12, 5
@@ -45,32 +46,6 @@ def _flat(tensors) -> np.ndarray:
     # where torch's pickling reductions would send tensors as shared-memory handles that
     # die with the rank.
     return torch.cat([t.detach().reshape(-1).double() for t in tensors]).numpy()
-
-
-class _SGD:
-    """torch.optim.SGD(params, lr, momentum) in a few lines. The first torch optimizer a
-    process creates imports torch._dynamo: seconds per spawned rank on a small machine."""
-
-    def __init__(self, params, lr: float, momentum: float) -> None:
-        self.params, self.lr, self.momentum = list(params), lr, momentum
-        self.bufs: dict = {}
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            if p.grad is not None:
-                p.grad = None if set_to_none else p.grad.zero_()
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for p in self.params:
-            if p.grad is None:
-                continue
-            buf = self.bufs.get(p)
-            if buf is None:
-                buf = self.bufs[p] = p.grad.clone()
-            else:
-                buf.mul_(self.momentum).add_(p.grad)
-            p.add_(buf, alpha=-self.lr)
 
 
 # ------------------------------------------------------------------ checks (per rank)

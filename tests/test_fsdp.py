@@ -35,6 +35,7 @@ import collectives  # noqa: E402
 from collectives.testing.threads import run_threads  # noqa: E402
 from parallel import FSDP  # noqa: E402
 from parallel.fsdp import shard_layout  # noqa: E402
+from light_sgd import LightSGD as _SGD  # noqa: E402
 
 D_IN, D, D_OUT = 12, 16, 5
 TOL = 2e-5
@@ -56,30 +57,6 @@ def _model(seed: int, blocks: int = 3) -> nn.Module:
         torch.manual_seed(seed)
         return nn.Sequential(nn.Linear(D_IN, D), *[Block() for _ in range(blocks)],
                              nn.Linear(D, D_OUT))
-
-
-class _SGD:
-    """SGD with momentum in a few lines (the first torch optimizer a process creates
-    imports torch._dynamo: seconds per spawned rank)."""
-
-    def __init__(self, params, lr=0.1, momentum=0.9) -> None:
-        self.params, self.lr, self.momentum, self.bufs = list(params), lr, momentum, {}
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for p in self.params:
-            if p.grad is None:
-                continue
-            buf = self.bufs.get(p)
-            if buf is None:
-                buf = self.bufs[p] = p.grad.clone()
-            else:
-                buf.mul_(self.momentum).add_(p.grad)
-            p.add_(buf, alpha=-self.lr)
 
 
 class _Adam(_SGD):

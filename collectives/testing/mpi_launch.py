@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..mpiexec import MpiexecUnavailable, find_mpiexec, own_session_dying_with_parent
+from ..spawn import describe_exit
 from .launchers import LauncherUnavailable
 from .workers import Task, serve
 
@@ -121,9 +122,7 @@ class MpiexecWorld:
             code = self.proc.wait(2.0)
         except subprocess.TimeoutExpired:
             code = None
-        state = ("mpiexec still running" if code is None else
-                 f"mpiexec exited with code {code}" if code >= 0 else
-                 f"mpiexec killed by signal {-code}")
+        state = "mpiexec " + ("still running" if code is None else describe_exit(code))
         tail = self.output_tail()
         return state + (f"; its output ends with:\n{tail}" if tail else "")
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from collectives.shm_names import PREFIX, SHM_DIR, job_digest, remove_job_segments
-from collectives.spawn import free_port
+from collectives.spawn import describe_exit, free_port
 from collectives.testing.mpi_launch import mpich_files, remove_dead_mpich_files
 from collectives.testing.pool import (PRELOAD_VARIABLE, RemoteError, launcher_for,
                                       spawn_launcher)
@@ -200,8 +200,7 @@ class FaultWorld:
             return "connection closed (mpiexec: " + self._world.exit_description(rank) + ")"
         procs[rank].join(1.0)
         code = procs[rank].exitcode
-        return "still running" if code is None else \
-            f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        return "still running" if code is None else describe_exit(code)
 
     def call(self, task: Any, *args: Any, limit: float = 30.0) -> list[Any]:
         """Run ``task(group, *args)`` on every rank; each rank's return value,
