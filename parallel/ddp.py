@@ -52,6 +52,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from .arguments import check_group, check_module
 from .bucket import Bucket, assign_buckets
 
 __all__ = ["DDP", "DistributedDataParallel"]
@@ -90,13 +91,9 @@ class DistributedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, group: Any, *, bucket_cap_mb: float = 25,
                  broadcast_buffers: bool = True) -> None:
         super().__init__()
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"DDP: argument `module` must be a torch.nn.Module, got "
-                            f"{type(module).__name__}")
-        for attr in ("rank", "size", "all_reduce", "broadcast", "all_gather_object"):
-            if not hasattr(group, attr):
-                raise TypeError(f"DDP: argument `group` must be a collectives.ProcessGroup "
-                                f"(it has no `{attr}`), got {type(group).__name__}")
+        check_module(module, "DDP")
+        check_group(group, "DDP", ("rank", "size", "all_reduce", "broadcast",
+                                   "all_gather_object"))
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
                 or not bucket_cap_mb > 0:
             raise ValueError(f"DDP: argument `bucket_cap_mb` must be a positive number, got "

@@ -21,6 +21,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from .arguments import check_group
+
 __all__ = ["DeviceMesh", "mesh_groups"]
 
 _GROUP_ATTRS = ("rank", "size", "new_group")
@@ -41,11 +43,7 @@ def mesh_groups(shape: Sequence[int], dim: int) -> list:
 
 
 def _check(group: Any, shape: Any, names: Any) -> tuple:
-    where = "DeviceMesh"
-    for attr in _GROUP_ATTRS:
-        if not hasattr(group, attr):
-            raise TypeError(f"{where}: argument `group` must be a collectives.ProcessGroup "
-                            f"(it has no `{attr}`), got {type(group).__name__}")
+    check_group(group, "DeviceMesh", _GROUP_ATTRS)
     where = f"[rank {group.rank}/{group.size}] DeviceMesh"
     if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
         raise TypeError(f"{where}: argument `shape` must be a sequence of ints, got "

@@ -35,6 +35,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
+from ..arguments import check_group, check_module
 from ..ddp import _collect, _graph_task_id, _replace
 from . import checkpoint, state_dict
 from .flat_param import FlatParam, detach_parameters
@@ -88,13 +89,9 @@ class FullyShardedDataParallel(nn.Module):
                  reduce_dtype: Optional[torch.dtype] = None,
                  broadcast_buffers: bool = True) -> None:
         super().__init__()
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"FSDP: argument `module` must be a torch.nn.Module, got "
-                            f"{type(module).__name__}")
-        for attr in ("rank", "size", "all_gather", "reduce_scatter", "all_gather_object"):
-            if not hasattr(group, attr):
-                raise TypeError(f"FSDP: argument `group` must be a collectives.ProcessGroup "
-                                f"(it has no `{attr}`), got {type(group).__name__}")
+        check_module(module, "FSDP")
+        check_group(group, "FSDP", ("rank", "size", "all_gather", "reduce_scatter",
+                                    "all_gather_object"))
         where = self._where = f"[rank {group.rank}/{group.size}] FSDP"
         if strategy not in STRATEGIES:
             raise ValueError(f"{where}: argument `strategy` must be one of {STRATEGIES}, "

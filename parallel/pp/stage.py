@@ -25,6 +25,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from ..arguments import check_group, check_module
+
 __all__ = ["PipelineStage"]
 
 
@@ -37,14 +39,8 @@ class PipelineStage:
     """
 
     def __init__(self, module: nn.Module, group: Any, stage_index: int, num_stages: int) -> None:
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"PipelineStage: argument `module` must be a torch.nn.Module, "
-                            f"got {type(module).__name__}")
-        for attr in ("rank", "size", "isend", "irecv"):
-            if not hasattr(group, attr):
-                raise TypeError(f"PipelineStage: argument `group` must be a "
-                                f"collectives.ProcessGroup (it has no `{attr}`), got "
-                                f"{type(group).__name__}")
+        check_module(module, "PipelineStage")
+        check_group(group, "PipelineStage", ("rank", "size", "isend", "irecv"))
         where = f"[rank {group.rank}/{group.size}] PipelineStage"
         for name, value in (("stage_index", stage_index), ("num_stages", num_stages)):
             if isinstance(value, bool) or not isinstance(value, int):

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from .. import arguments
+
 __all__ = ["CopyTo", "GatherFrom", "ReduceFrom", "ScatterTo", "check_group", "copy_to",
            "gather_from", "reduce_from", "scatter_to", "block_size", "all_gather_along",
            "reduce_scatter_along", "split_along"]
@@ -40,11 +42,8 @@ _GROUP_ATTRS = ("rank", "size", "all_reduce", "all_gather", "reduce_scatter")
 
 
 def check_group(group: Any, where: str) -> None:
-    """Raise ``TypeError`` unless ``group`` looks like a :class:`collectives.ProcessGroup`."""
-    for attr in _GROUP_ATTRS:
-        if not hasattr(group, attr):
-            raise TypeError(f"{where}: argument `group` must be a collectives.ProcessGroup "
-                            f"(it has no `{attr}`), got {type(group).__name__}")
+    """Raise ``TypeError`` unless ``group`` has what tensor parallelism calls."""
+    arguments.check_group(group, where, _GROUP_ATTRS)
 
 
 def block_size(size: int, group: Any, where: str, what: str) -> int:
