@@ -574,7 +574,7 @@ class TorchGroup(ProcessGroup):
         arguments (one of the two writing): torch runs ops concurrently on its threads,
         so without this a later op could read what an earlier one has yet to write."""
         args = self._take_args()
-        inflight = self._in_flight()
+        inflight = self._in_flight() if self._inflight else []  # the lock only when needed
         spans = [_span(obj, write) for obj, write in args] if async_op or inflight else []
         if inflight:
             self._wait_for_conflicts(spans)
