@@ -666,6 +666,12 @@ class MpiGroup(ProcessGroup):
             [o, (recv_counts, _displacements(recv_counts)), MPI.BYTE])
         return self._issue(request, "all_to_all", seq, keep=(out, inp))
 
+    def _persistent_call(self, op: str, arrays: Sequence[np.ndarray],
+                         reduce_op: Optional[ReduceOp]) -> Optional[Callable[[int], Any]]:
+        """MPI-4's persistent collectives (see :mod:`backends.mpi_persistent`)."""
+        from .mpi_persistent import persistent_call
+        return persistent_call(self, op, arrays, reduce_op)
+
     # ----------------------------------------------------------------- sub-groups
     def _new_group(self, ranks: tuple[int, ...], instance: int) -> "MpiGroup":
         where = f"{self._where('new_group')}({list(ranks)})"
@@ -744,6 +750,9 @@ class MpiGroup(ProcessGroup):
                 except MPI.Exception:
                     pass
         _ORPHANS.extend(w for w in stuck if not w._finished)
+        if not MPI.Is_finalized():
+            from .mpi_persistent import free_requests
+            free_requests(self)
         comms = [self._comm, self._aux]
         self._comm = self._aux = None
         for comm in comms:

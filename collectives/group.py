@@ -14,6 +14,8 @@ The class is put together from one module per concern:
   debug call check and the flight record;
 - :mod:`collectives.point_to_point`, :mod:`collectives.collective_calls`,
   :mod:`collectives.objects`: the public calls;
+- :mod:`collectives.fast_path`: blocking calls on contiguous CPU memory in ~1 us;
+- :mod:`collectives.persistent`: ``all_reduce_init`` and the other persistent requests;
 - this module: state, the hooks with their defaults, sub-groups and lifetime.
 """
 
@@ -30,7 +32,9 @@ import numpy as np
 from . import algorithms, call_check, flight
 from .buffers import HostBuffer, to_host
 from .collective_calls import CollectiveCalls
+from .fast_path import FastPath, HostViews
 from .objects import ObjectCalls
+from .persistent import PersistentCalls
 from .point_to_point import PointToPointCalls
 from .reduce_op import ReduceOp
 from .running import CallRunner, _CommitOnWait, _RecordedWork  # noqa: F401 - re-exported
@@ -66,8 +70,8 @@ def timeout_seconds(timeout: "float | datetime.timedelta | None", default: float
     return float(timeout)
 
 
-class ProcessGroup(PointToPointCalls, CollectiveCalls, ObjectCalls, CallRunner,
-                   ArgumentChecks, abc.ABC):
+class ProcessGroup(PointToPointCalls, CollectiveCalls, PersistentCalls, ObjectCalls, CallRunner,
+                   FastPath, ArgumentChecks, abc.ABC):
     """A set of ranks that communicate. Ranks are local to the group: ``0 .. size-1``.
 
     Two ranks, each running::
@@ -106,6 +110,12 @@ class ProcessGroup(PointToPointCalls, CollectiveCalls, ObjectCalls, CallRunner,
         capacity = flight.capacity_from_env()
         self._recorder: Optional[flight.Recorder] = flight.Recorder(capacity) if capacity else None
         self._flight_name = "world"
+        # The fast path (collectives.fast_path) for blocking calls on contiguous CPU
+        # memory: not where the debug check must run, nor for a backend whose hooks
+        # return Works or take something else than host arrays.
+        self._host_views = HostViews()
+        self._fast = (not self._debug and not self.hooks_return_work
+                      and type(self)._to_host is ProcessGroup._to_host)
 
     # ------------------------------------------------------------------ transport hooks
     @abc.abstractmethod

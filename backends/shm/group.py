@@ -342,6 +342,12 @@ class ShmGroup(ReduceOps, CollectiveOps, ProcessGroup):
         op = self._engine.post_recv(array, src, tag, dtype_code(array.dtype))
         return _P2PWork(self, op, f"recv from rank {src} (tag {tag})", src)
 
+    # ------------------------------------------------------------ persistent
+    def _persistent_call(self, op, arrays, reduce_op):
+        """Each round straight to the phase functions (see backends.shm.persistent)."""
+        from .persistent import persistent_call
+        return persistent_call(self, op, arrays, reduce_op)
+
     # -------------------------------------------------------------- sub-groups
     def _new_group(self, ranks: tuple[int, ...], instance: int) -> ProcessGroup:
         world = tuple(self._world_ranks[r] for r in ranks)

@@ -1,0 +1,87 @@
+"""The mpi backend's persistent collectives: MPI-4's ``MPI_Allreduce_init``,
+``MPI_Allgather_init`` and ``MPI_Reduce_scatter_block_init`` (mpi4py >= 4 on an MPI-4
+library), one request made at the persistent request's init and started every round.
+
+Where the library lacks them (``NotImplementedError`` from mpi4py, or an MPI-3
+library), :func:`persistent_call` returns None and the base class's default round (the
+backend's ``Iallreduce`` hook) is used instead: the same results, one MPI request per
+round. See :mod:`collectives.persistent` for the contract.
+
+Four ranks, ``mpiexec -n 4 python script.py``::
+
+    req = pg.all_reduce_init(t)      # MPI_Allreduce_init(MPI_IN_PLACE, t, ...)
+    req.start(); req.wait()          # MPI_Start, then MPI_Test until done
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from collectives.reduce_op import ReduceOp
+
+
+def persistent_call(group: Any, op: str, arrays: Sequence[np.ndarray],
+                    reduce_op: Optional[ReduceOp]) -> Optional[Callable[[int], Any]]:
+    """``call(seq) -> MpiWork`` starting one round of MPI's persistent ``op`` over the
+    flat ``arrays``; None where MPI has no persistent collectives. Collective: every rank
+    calls it at the same point (the request's init), as MPI requires."""
+    from mpi4py import MPI
+
+    from .mpi import MpiWork, _bytes, _reduction
+
+    comm = group._comm
+    if comm is None or not hasattr(comm, "Allreduce_init"):
+        return None
+    then = None
+    try:
+        if op == "all_reduce":
+            a = arrays[0]
+            buf, mop = _reduction(a, reduce_op)
+            request = comm.Allreduce_init(MPI.IN_PLACE, buf, mop)
+            then = group._avg(a, reduce_op)
+        elif op == "all_gather":
+            out, inp = arrays
+            request = comm.Allgather_init(_bytes(inp), _bytes(out))
+        elif op == "reduce_scatter":
+            out, inp = arrays
+            send, mop = _reduction(inp, reduce_op)
+            recv, _ = _reduction(out, reduce_op)
+            request = comm.Reduce_scatter_block_init(send, recv, mop)
+            then = group._avg(out, reduce_op)
+        else:
+            return None
+    except NotImplementedError:  # mpi4py built against an MPI-3 library
+        return None
+    requests = group.__dict__.setdefault("_persistent_requests", [])
+    requests.append(request)
+    keep = tuple(arrays)
+
+    def call(seq: int) -> Any:
+        request.Start()
+        return MpiWork(group, op, seq, [request], then, (), keep)
+
+    def release() -> None:  # the request's free(), or a re-binding: MPI_Request_free
+        if request in requests:
+            requests.remove(request)
+            try:
+                if not MPI.Is_finalized() and request != MPI.REQUEST_NULL:
+                    request.Free()
+            except MPI.Exception:
+                pass
+
+    call.release = release
+    return call
+
+
+def free_requests(group: Any) -> None:
+    """Free the group's persistent requests (at close, before its communicator)."""
+    from mpi4py import MPI
+
+    for request in group.__dict__.pop("_persistent_requests", ()):
+        try:
+            if request != MPI.REQUEST_NULL:
+                request.Free()
+        except MPI.Exception:
+            pass

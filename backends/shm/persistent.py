@@ -1,0 +1,62 @@
+"""The shm backend's persistent collectives: the path a round takes (the one-phase small
+reduce or the pipelined one; the gather or scatter phases) is picked once, at the
+request's init, over flat arrays made once, and each round calls the group's phase
+functions directly. See :mod:`collectives.persistent` for the contract.
+
+Two ranks::
+
+    req = pg.all_reduce_init(t)     # 4 KiB of float32: the one-phase path, bound now
+    req.start(); req.wait()         # one phase: publish, wait for the peer, reduce
+
+A phase function this module expects and the group lacks (its internals change) means
+None: the base class's default round, through the group's hooks, is used instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from collectives.reduce_op import ReduceOp, finish
+
+from .ops import OP_ALL_REDUCE
+
+
+def persistent_call(group: Any, op: str, arrays: Sequence[np.ndarray],
+                    reduce_op: Optional[ReduceOp]) -> Optional[Callable[[int], None]]:
+    """``call(seq)`` running one round of persistent ``op`` on ``group``, or None."""
+    if op == "all_reduce":
+        a = arrays[0]
+        if group.size == 1:
+            return lambda seq: finish(reduce_op, a, 1)
+        small = a.nbytes <= group._small_limit
+        impl = getattr(group, "_small_reduce" if small else "_pipelined_reduce", None)
+        if impl is None:
+            return None
+        fail = group._fail
+
+        def all_reduce(seq: int) -> None:
+            try:
+                impl(a, reduce_op, seq, -1, OP_ALL_REDUCE)
+            except BaseException as exc:
+                fail(exc)
+                raise
+        return all_reduce
+    out, inp = arrays
+    if group.size == 1:
+        if op == "reduce_scatter":
+            def copy_finish(seq: int) -> None:
+                out[...] = inp
+                finish(reduce_op, out, 1)
+            return copy_finish
+        return lambda seq: np.copyto(out, inp)
+    guard = group._guard
+    if op == "all_gather":
+        impl = getattr(group, "_gather_impl", None)
+        return None if impl is None else (lambda seq: guard(impl, inp, out, None, seq))
+    if op == "reduce_scatter":
+        impl = getattr(group, "_scatter_impl", None)
+        return None if impl is None else (
+            lambda seq: guard(impl, out, inp, -1, reduce_op, seq))
+    return None
