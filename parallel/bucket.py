@@ -86,7 +86,9 @@ class Bucket:
                              when autograd made a fresh tensor, e.g. after
                              zero_grad(set_to_none=True))
         mark_ready(slot)     -> True when it was the last one: the bucket is full
-        launch()             all_reduce(flat, AVG, async_op=True): runs while backward goes on
+        launch()             start the persistent all_reduce(flat, AVG) made at init (an
+                             async all_reduce where the group has none): runs while
+                             backward goes on
         fill_missing()       (end of backward, buckets never filled) take what the missing
                              parameters hold, zeros where they have no gradient
         finish()             wait; .grad = view where some rank had a gradient, None elsewhere
@@ -117,6 +119,12 @@ class Bucket:
         self._ready = [False] * len(self.params)
         self._pending = len(self.params)
         self.work: Any = None
+        # The average of `flat`, checked once and started every pass (a persistent
+        # collective, see collectives.persistent); made here, where every rank makes
+        # its buckets in the same order. A group without persistent requests gets a
+        # plain all_reduce per pass.
+        init = getattr(group, "all_reduce_init", None)
+        self._request: Any = None if init is None else init(self.flat, ReduceOp.AVG)
 
     def __repr__(self) -> str:
         return (f"<Bucket {self.index}: {len(self.params)} params, {self.numel} x "
@@ -182,7 +190,11 @@ class Bucket:
             raise RuntimeError(f"DDP: bucket {self.index} launched with {self._pending} "
                                f"gradients missing")
         self._flags.copy_(self._flags.new_tensor(self._has_grad))
-        self.work = self.group.all_reduce(self.flat, op=ReduceOp.AVG, async_op=True)
+        if self._request is None:
+            self.work = self.group.all_reduce(self.flat, op=ReduceOp.AVG, async_op=True)
+        else:
+            self._request.start()
+            self.work = self._request
 
     def finish(self) -> None:
         """Wait for the all-reduce and hand the averages to the parameters; get ready for the
@@ -204,6 +216,14 @@ class Bucket:
             self.reset()
 
     def reset(self) -> None:
+        work = self.work
+        if work is not None and work is self._request:
+            # A pass that failed elsewhere: the round still owns `flat` and the request
+            # must be waited for before it can start again (the error was raised already).
+            try:
+                work.wait()
+            except BaseException:  # noqa: BLE001
+                pass
         self._ready = [False] * len(self.params)
         self._has_grad = [False] * len(self.params)
         self._pending = len(self.params)

@@ -23,8 +23,9 @@ Accelerating Data Parallel Training", VLDB 2020, arXiv 2006.15704):
    backward, the first thing to run in the backward pass, queues a callback that the
    autograd engine runs once the whole pass has finished.
 3. A post-accumulate-grad hook on each parameter tells its bucket that the gradient is
-   final. When a bucket's last gradient lands it starts ``all_reduce(flat, AVG,
-   async_op=True)`` on the group's thread, while backward goes on with earlier layers.
+   final. When a bucket's last gradient lands it starts its persistent
+   ``all_reduce_init(flat, AVG)`` request (made once, with the bucket; see
+   ``collectives.persistent``), while backward goes on with earlier layers.
    Buckets are launched strictly in bucket order: a full bucket waits for the ones before
    it. Every rank therefore issues the same all-reduces in the same order, whatever order
    its gradients arrive in; this is what keeps the ranks' collectives matched.

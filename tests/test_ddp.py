@@ -163,6 +163,23 @@ class _Recorder:
         self.works.append(work)
         return work
 
+    def all_reduce_init(self, tensor, op=collectives.ReduceOp.SUM):
+        """DDP's buckets make persistent requests: note each start the same way."""
+        return _RecordedRequest(self, self._pg.all_reduce_init(tensor, op))
+
+
+class _RecordedRequest:
+    def __init__(self, recorder, request) -> None:
+        self._recorder, self._request = recorder, request
+
+    def __getattr__(self, name):
+        return getattr(self._request, name)
+
+    def start(self) -> None:
+        self._recorder.issued.append(time.perf_counter())
+        self._request.start()
+        self._recorder.works.append(self._request)
+
 
 class _SlowBackward(torch.autograd.Function):
     """Identity; its backward sleeps, then notes which all-reduces had already finished."""
@@ -423,14 +440,31 @@ def test_failed_all_reduce_surfaces_in_backward_and_resets():
         def wait(self, timeout=None):
             raise collectives.PeerError("rank 1 hung up")
 
+    class FailingRounds:
+        """A persistent request (DDP's buckets make them) whose rounds fail while
+        ``failing``."""
+
+        failing = True
+
+        def __init__(self, request) -> None:
+            self._request = request
+
+        def start(self) -> None:
+            self._request.start()
+
+        def wait(self, timeout=None):
+            self._request.wait(timeout)
+            if FailingRounds.failing:
+                Failing().wait()
+
     def body(pg):
         recorder = _Recorder(pg)
+        real_init = recorder.all_reduce_init
+        recorder.all_reduce_init = lambda *a, **k: FailingRounds(real_init(*a, **k))
         ddp = DDP(nn.Linear(3, 2), recorder, bucket_cap_mb=1e-5)  # two buckets
-        real = recorder.all_reduce
-        recorder.all_reduce = lambda *a, **k: (real(*a, **k), Failing())[1]
         with pytest.raises(collectives.PeerError, match="hung up"):
             ddp(torch.ones(1, 3)).sum().backward()
-        recorder.all_reduce = real
+        FailingRounds.failing = False
         ddp.zero_grad()
         ddp(torch.ones(1, 3)).sum().backward()  # the next pass starts clean
         return ddp.module.weight.grad

@@ -220,6 +220,33 @@ class _Recorder:
         self.works.append(work)
         return work
 
+    def all_gather_init(self, output, input):
+        """FSDP's units gather through persistent requests: keep each start the same way."""
+        return _RecordedRequest(self, self._pg.all_gather_init(output, input))
+
+
+class _RecordedRequest:
+    def __init__(self, recorder: _Recorder, request) -> None:
+        self._recorder, self._request = recorder, request
+
+    def __getattr__(self, name):
+        return getattr(self._request, name)
+
+    def start(self) -> None:
+        self._request.start()
+        self._recorder.works.append(_Round(self._request))
+
+
+class _Round:
+    """One round of a persistent request, as the Work a plain call returns: completed
+    once it finished (or was waited for and started again: a later round)."""
+
+    def __init__(self, request) -> None:
+        self._request, self._active = request, True
+
+    def is_completed(self) -> bool:
+        return self._request.is_completed() or not self._request.active
+
 
 def _note(recorder: _Recorder, log: list) -> None:
     """Sleep (the unit computing), then note how many all_gathers had been issued when it

@@ -30,6 +30,12 @@ _TRACED = frozenset({"all_reduce", "broadcast", "reduce", "all_gather", "gather"
                      "irecv"})
 
 
+#: Persistent requests (collectives.persistent): each round, start() to wait(), is a
+#: slice named after the collective it runs.
+_TRACED_INIT = {"all_reduce_init": "all_reduce", "all_gather_init": "all_gather",
+                "reduce_scatter_init": "reduce_scatter"}
+
+
 def _now_us() -> float:
     return time.time() * 1e6  # wall clock: comparable between the ranks of one host
 
@@ -94,6 +100,12 @@ class _TracedGroup:
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._group, name)
+        if name in _TRACED_INIT:
+            op = _TRACED_INIT[name]
+            slice_name = op if self._label is None else f"{self._label} {op}"
+            return lambda *args, **kwargs: _TracedRequest(
+                attr(*args, **kwargs), self._tracer, slice_name, self._label,
+                next((a.numel() * a.element_size() for a in args if hasattr(a, "numel")), 0))
         if name not in _TRACED:
             return attr
 
@@ -129,3 +141,30 @@ class _TracedWork:
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
+
+
+class _TracedRequest:
+    """A persistent request whose rounds leave trace events, as the plain calls do."""
+
+    def __init__(self, request: Any, tracer: Tracer, name: str, label: Optional[str],
+                 nbytes: int) -> None:
+        self._request, self._tracer, self._name = request, tracer, name
+        self._info = {"bytes": nbytes} if label is None else {"bytes": nbytes, "dim": label}
+        self._round: Optional[_TracedWork] = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._request, name)
+
+    def start(self) -> None:
+        tracer, ident = self._tracer, next(self._tracer._ids)
+        tracer._add(name=self._name, cat="comm", ph="b", id=ident, ts=_now_us(),
+                    args=dict(self._info, persistent=True))
+        self._request.start()
+        self._round = _TracedWork(self._request, tracer, self._name, ident)
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        if self._round is None:
+            self._request.wait(timeout)
+            return
+        self._round.wait(timeout)
+        self._round = None

@@ -47,6 +47,16 @@ class Unit:
         self._gather_work: Any = None
         self._gather_input: Optional[torch.Tensor] = None
         self._gathered_version = -1
+        # The persistent all_gather into the full copy (collectives.persistent), bound
+        # to the memory of one allocation: made again after each re-allocation (zero3
+        # frees after every use), at the same point on every rank, since a native
+        # binding (MPI's) is made collectively.
+        self._gather_request: Any = None
+        self._gather_buffer: Optional[torch.Tensor] = None   # the shard in compute dtype
+        self._allocations = 0
+        self._request_allocation = -1
+        self._reduce_req: Any = None              # see _reduce_request
+        self._reduce_buffers: Optional[tuple] = None
         self._reduce: Optional[tuple] = None      # (work, grad sent, output)
         self.full_grad: Optional[torch.Tensor] = None   # zero1: the averaged full gradient
         self.grad_ready = False                   # full.grad final for this pass
@@ -82,18 +92,46 @@ class Unit:
         flat = self.flat
         if not flat.allocated:
             flat.allocate()
+            self._allocations += 1
             self.meter.add(flat.full_bytes)
-        inp = flat.gather_input()
-        as_int = _INT_OF_WIDTH[inp.element_size()]
-        self._gather_input = inp.view(as_int)        # kept alive while the gather runs
-        work = self.group.all_gather(host_alias(flat.full), self._gather_input,
-                                     async_op=async_op)
+        request = self._gather_request_now()
+        if request is None:  # a group without persistent requests
+            inp = flat.gather_input()
+            self._gather_input = inp.view(_INT_OF_WIDTH[inp.element_size()])  # kept alive
+            work = self.group.all_gather(host_alias(flat.full), self._gather_input,
+                                         async_op=True)
+        else:
+            if self._gather_buffer is not None:  # mixed precision: this round's cast
+                self._gather_buffer.copy_(flat.shard.detach())
+            request.start()
+            work = request
         self._gathered_version = flat.shard._version
         if async_op:
             self._gather_work = work
         else:
+            work.wait()
             self._gather_input = None
         return True
+
+    def _gather_request_now(self) -> Any:
+        """The persistent all_gather for the current allocation of the full copy (None
+        where the group has no ``all_gather_init``)."""
+        init = getattr(self.group, "all_gather_init", None)
+        if init is None:
+            return None
+        if self._gather_request is None or self._request_allocation != self._allocations:
+            flat = self.flat
+            if self._gather_request is not None:
+                self._gather_request.free()
+            shard = flat.shard.detach()
+            if shard.dtype != flat.compute_dtype:
+                if self._gather_buffer is None:
+                    self._gather_buffer = torch.empty(shard.shape, dtype=flat.compute_dtype)
+                shard = self._gather_buffer
+            self._gather_input = shard.view(_INT_OF_WIDTH[shard.element_size()])
+            self._gather_request = init(host_alias(flat.full), self._gather_input)
+            self._request_allocation = self._allocations
+        return self._gather_request
 
     def wait_unshard(self, *, install: bool = True) -> None:
         """Block until the full copy is there; make the module's parameters its views
@@ -136,6 +174,16 @@ class Unit:
         full = self.flat.full
         grad = full.grad
         full.grad = None
+        request = self._reduce_request(grad)
+        if request is not None:
+            buffer, out = self._reduce_buffers
+            if grad is None:
+                buffer.zero_()
+            else:
+                buffer.copy_(grad)   # the cast to reduce_dtype, into the bound buffer
+            request.start()
+            self._reduce = (request, buffer, out)
+            return
         if grad is None:
             grad = torch.zeros(self.flat.padded, dtype=self.reduce_dtype)
         elif grad.dtype != self.reduce_dtype:
@@ -149,6 +197,31 @@ class Unit:
             out = torch.empty(self.flat.shard_numel, dtype=self.reduce_dtype)
             work = self.group.reduce_scatter(out, grad, op=ReduceOp.AVG, async_op=True)
             self._reduce = (work, grad, out)
+
+    def _reduce_request(self, grad: Optional[torch.Tensor]) -> Any:
+        """The persistent reduction of the gradient, where it costs no extra copy: when
+        the gradient is cast to a ``reduce_dtype`` other than float32 anyway (the cast
+        then writes into the bound buffer, and the result is cast back to float32, so
+        nothing keeps a view of the bound memory). Otherwise (float32 reductions) a
+        plain async call on autograd's own tensor: binding would cost a copy of the
+        whole flat gradient per step, more than the microseconds a request saves."""
+        if self.reduce_dtype == torch.float32 or (
+                grad is not None and grad.dtype == self.reduce_dtype):
+            return None
+        if self._reduce_req is None:
+            init_name = "all_reduce_init" if self.strategy == "zero1" else \
+                "reduce_scatter_init"
+            if getattr(self.group, init_name, None) is None:
+                return None
+            buffer = torch.empty(self.flat.padded, dtype=self.reduce_dtype)
+            if self.strategy == "zero1":
+                out = buffer
+                self._reduce_req = self.group.all_reduce_init(buffer, ReduceOp.AVG)
+            else:
+                out = torch.empty(self.flat.shard_numel, dtype=self.reduce_dtype)
+                self._reduce_req = self.group.reduce_scatter_init(out, buffer, ReduceOp.AVG)
+            self._reduce_buffers = (buffer, out)
+        return self._reduce_req
 
     def finish_reduce(self) -> None:
         """Wait for the average and add this rank's slice to ``shard.grad``, as autograd
