@@ -127,6 +127,9 @@ _NOT_A_SWITCH = {
     "backends.zeromq.wire.MAX_DIMS", "backends.zeromq.connect.RECONNECT_IVL_MAX_MS",
     "backends.shm.segment.BELL_BYTE", "backends.shm.futex._WAKE_ALL",
     "collectives.thresholds.MARGIN", "collectives.testing.strategies.LARGE_BYTES",
+    # whether the fast path keeps a tensor's host view for the next call (the same
+    # zero-copy view either way)
+    "collectives.fast_path.CACHE_STORAGE_BYTES",
 }
 
 

@@ -297,6 +297,67 @@ def test_rounds_go_into_the_flight_record_and_the_debug_check(monkeypatch):
         run_threads(mismatched, 2)
 
 
+# ------------------------------------------------------------------ DDP and FSDP
+class _PlainOnly:
+    """A group without persistent requests: the strategies fall back to plain calls."""
+
+    def __init__(self, pg) -> None:
+        self._pg = pg
+
+    def __getattr__(self, name):
+        if name.endswith("_init"):
+            raise AttributeError(name)
+        return getattr(self._pg, name)
+
+
+def _train(pg, wrap_kind: str, **kwargs) -> list:
+    from torch import nn
+    from parallel import DDP, FSDP
+
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(),
+                          nn.Linear(8, 3))
+    init = torch.Generator().manual_seed(3)  # (the thread ranks share torch's global one)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=init) * 0.5)
+    wrapped = DDP(model, pg, bucket_cap_mb=1e-4) if wrap_kind == "ddp" else \
+        FSDP(model, pg, wrap=nn.Linear, **kwargs)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(11 + pg.rank)
+    for _ in range(3):
+        opt.zero_grad()
+        wrapped(torch.randn(4, 6, generator=gen)).square().mean().backward()
+        opt.step()
+    if wrap_kind == "ddp":
+        used = {"all_reduce": sum(b._request is not None for b in wrapped.buckets)}
+    else:
+        used = {"all_gather": sum(u._gather_request is not None for u in wrapped.units),
+                "reduce": sum(u._reduce_req is not None for u in wrapped.units)}
+    return [p.detach().clone() for p in wrapped.parameters()], used
+
+
+@pytest.mark.parametrize("wrap_kind, kwargs", [
+    ("ddp", {}), ("fsdp", {"strategy": "zero3"}), ("fsdp", {"strategy": "zero2"}),
+    ("fsdp", {"strategy": "zero3", "reduce_dtype": torch.bfloat16}),
+    ("fsdp", {"strategy": "zero1", "reduce_dtype": torch.bfloat16}),
+    ("fsdp", {"strategy": "zero3", "param_dtype": torch.bfloat16})])
+def test_strategies_train_bitwise_alike_with_and_without_requests(wrap_kind, kwargs):
+    """DDP's buckets and FSDP's units through persistent requests give exactly the
+    plain calls' parameters (same ops, same order, same rounding)."""
+    def body(pg):
+        return _train(pg, wrap_kind, **kwargs), _train(_PlainOnly(pg), wrap_kind, **kwargs)
+
+    for (persistent, used), (plain, unused) in run_threads(body, 2, timeout=60):
+        assert all(torch.equal(a, b) for a, b in zip(persistent, plain))
+        assert not any(unused.values())
+        if wrap_kind == "ddp":
+            assert used["all_reduce"] >= 3                 # every bucket
+        else:
+            assert used["all_gather"] == 3                 # the 3 Linear units
+            # the gradient's reduction binds only where it is cast anyway
+            assert used["reduce"] == (3 if "reduce_dtype" in kwargs else 0)
+
+
 # ------------------------------------------------------------------ the fast path
 def test_fast_path_follows_tensors_that_change_in_place():
     """The cached host view is dropped when a tensor's memory, shape or dtype changes."""
