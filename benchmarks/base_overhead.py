@@ -9,7 +9,9 @@ time per call is the base class's and nothing else's. Each row times N calls in 
 loop (the least of many repeats) for a contiguous CPU float32 torch tensor and numpy
 array, once through the fast path (``collectives.fast_path``) and once through the
 general path (the fast path switched off on the group), side by side in one run, and
-through a persistent request (``all_reduce_init``: ``start(); wait()``). The last column
+through a persistent request (``all_reduce_init``: ``start(); wait()``) beside the
+``async_op=True`` call it replaces in DDP's buckets: both hand the round to the group's
+thread (a wait that finds a persistent round still queued runs it itself). The last column
 subtracts the cost of calling an empty Python method (the floor any Python API pays).
 """
 
@@ -84,6 +86,7 @@ def run(iters: int, repeats: int) -> list[dict]:
             "all_reduce": lambda t=t: pg.all_reduce(t),
             "broadcast": lambda t=t: pg.broadcast(t, 0),
         }
+        cases["all_reduce async+wait"] = lambda t=t: pg.all_reduce(t, async_op=True).wait()
         if hasattr(pg, "all_reduce_init"):
             req = pg.all_reduce_init(t)
 
@@ -92,8 +95,8 @@ def run(iters: int, repeats: int) -> list[dict]:
                 req.wait()
             cases["all_reduce_init start+wait"] = persistent
         for name, fn in cases.items():
-            paths = [("fast", True), ("general", False)] if "init" not in name else [
-                ("persistent", True)]
+            paths = [("fast", True), ("general", False)] if "+wait" not in name else [
+                ("persistent" if "init" in name else "async", True)]
             for path, fast in paths:
                 pg._fast = fast
                 us = _per_call(fn, iters, repeats)

@@ -443,6 +443,25 @@ def test_base_overhead_benchmark_runs_and_the_fast_path_is_faster():
     assert ("all_reduce_init start+wait", "torch", "persistent") in by
 
 
+def test_bench_persistent_mode(tmp_path):
+    """``python -m collectives.bench --persistent``: our rows time requests (and say so),
+    results checked as ever, ops without a persistent form skipped with the reason."""
+    out = tmp_path / "rows.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "collectives.bench", "--backend", "shm", "--nproc", "2",
+         "--sizes", "4,65536", "--ops", "all_reduce,all_gather,reduce_scatter,broadcast",
+         "--iters", "3", "--warmup", "1", "--memcpy", "--persistent", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=180,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())
+    ours = [r for r in rows if r["impl"] == "shm"]
+    assert sorted({r["op"] for r in ours}) == ["all_gather", "all_reduce", "reduce_scatter"]
+    assert all(r["persistent"] and r["wrong"] == 0 and "memcpy_gbps" in r for r in ours)
+    assert "broadcast float32 skipped: no persistent form" in proc.stdout
+    assert "through persistent requests" in proc.stdout
+
+
 # ------------------------------------------------------------------ real processes
 def _spawnable() -> list:
     return [b for b in ("shm", "zmq", "gloo") if b in collectives.available_backends()]

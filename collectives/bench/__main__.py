@@ -93,6 +93,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memcpy", action="store_true",
                    help="also time a single-process copy (np.copyto) of each size, in "
                         "turn with our backend, and report busbw as a fraction of it")
+    p.add_argument("--persistent", action="store_true",
+                   help="time our backend's all_reduce, all_gather and reduce_scatter as "
+                        "persistent requests (pg.all_reduce_init ...: start + wait per "
+                        "iteration); peers and memcpy unchanged")
     p.add_argument("--json", metavar="FILE", help="write the rows to FILE")
     p.add_argument("--plot", metavar="FILE", help="draw busbw against size (matplotlib)")
     p.add_argument("--timeout", type=float, default=120.0,
@@ -161,7 +165,7 @@ def _run(args: argparse.Namespace, peers: list[str]) -> tuple[list[dict], list[s
 
     spec = JobSpec(impls=[], ops=args.ops, sizes=args.sizes, dtype=args.dtype,
                    iters=args.iters, warmup=args.warmup, byte_budget=args.byte_budget,
-                   timeout=args.timeout)
+                   timeout=args.timeout, persistent=args.persistent)
     impls = [args.backend] + peers
     by_mpiexec = [i for i in impls if i in MPIEXEC_IMPLS]
     by_spawn = [i for i in impls if i not in MPIEXEC_IMPLS]
@@ -175,7 +179,8 @@ def _run(args: argparse.Namespace, peers: list[str]) -> tuple[list[dict], list[s
         launch = run_mpiexec if job is by_mpiexec else run_spawned
         # The copy is timed in our backend's job, in turn with ours (and the peers there).
         job_rows, skipped = launch(
-            dataclasses.replace(spec, impls=job, memcpy=args.memcpy and args.backend in job),
+            dataclasses.replace(spec, impls=job, memcpy=args.memcpy and args.backend in job,
+                                persistent=args.persistent and args.backend in job),
             args.nproc, args.job_timeout)
         rows += job_rows
         notes += skipped
@@ -200,7 +205,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"# collectives.bench: {args.backend} on {args.nproc} ranks"
               f"{', peers ' + ', '.join(peers) if peers else ''}; {args.dtype}; up to "
               f"{args.iters} timed iterations after {args.warmup} warm-up (at most "
-              f"{args.byte_budget >> 20} MiB per size); {load}", flush=True)
+              f"{args.byte_budget >> 20} MiB per size); {load}"
+              f"{'; ' + args.backend + ' through persistent requests' if args.persistent else ''}",
+              flush=True)
         rows, skipped = _run(args, peers)
     except (_Usage, LauncherMissing) as exc:
         print(f"python -m collectives.bench: error: {exc}", file=sys.stderr)
@@ -210,6 +217,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"{peers or 'none'}, {args.nproc} ranks): {exc}", file=sys.stderr)
         return 1
 
+    if args.persistent:  # which rows timed persistent requests
+        for r in rows:
+            r["persistent"] = r["impl"] == args.backend
     rows = report.add_memcpy(rows)
     report.add_ratios(rows, args.backend, peers)
     print(report.table(rows, args.backend, peers, args.nproc))

@@ -63,6 +63,9 @@ class JobSpec:
     memcpy: bool = False
     #: mpiexec jobs: the file rank 0 writes its rows to.
     out: str = ""
+    #: Time our backend's all_reduce / all_gather / reduce_scatter as persistent
+    #: requests (``start(); wait()`` of one ``*_init`` per case), the peers unchanged.
+    persistent: bool = False
 
 
 def _open(impl: str, spec: JobSpec, rank: int, size: int) -> Runner:
@@ -74,7 +77,9 @@ def _open(impl: str, spec: JobSpec, rank: int, size: int) -> Runner:
         from .peers import TorchGlooRunner
         return TorchGlooRunner(rank, size, "127.0.0.1", spec.torch_port, spec.timeout)
     from ..launch import init_process_group
-    return GroupRunner(init_process_group(impl, timeout=spec.timeout), impl)
+    ours = spec.persistent and impl == spec.impls[0]
+    return GroupRunner(init_process_group(impl, timeout=spec.timeout), impl,
+                       persistent=ours)
 
 
 def run_rank(spec: JobSpec) -> tuple[list[dict], list[str]]:

@@ -145,13 +145,21 @@ class GroupRunner:
     """Our :class:`~collectives.group.ProcessGroup` as a :class:`Runner` (numpy buffers,
     the library's native host type)."""
 
-    def __init__(self, pg: ProcessGroup, impl: Optional[str] = None) -> None:
+    #: The ops that ``persistent=True`` times as a persistent request's start + wait.
+    PERSISTENT_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+    def __init__(self, pg: ProcessGroup, impl: Optional[str] = None, *,
+                 persistent: bool = False) -> None:
         self.pg = pg
         self.impl = impl or pg.backend
         self.rank, self.size = pg.rank, pg.size
+        self.persistent = persistent
+        self._requests: list = []
 
     def bind(self, case: Case) -> Callable[[], None]:
         pg, send, recv = self.pg, case.send, case.recv
+        if self.persistent:
+            return self._bind_persistent(case)
         calls: dict[str, Callable[[], None]] = {
             "all_reduce": lambda: pg.all_reduce(recv),
             "reduce": lambda: pg.reduce(recv, dst=ROOT),
@@ -163,6 +171,27 @@ class GroupRunner:
             "all_to_all": lambda: pg.all_to_all(recv, send),
         }
         return calls[case.op]
+
+    def _bind_persistent(self, case: Case) -> Callable[[], None]:
+        """``start(); wait()`` of a request made once for ``case`` (``--persistent``)."""
+        pg, send, recv = self.pg, case.send, case.recv
+        if case.op not in self.PERSISTENT_OPS:
+            raise Unsupported(f"no persistent form (only {', '.join(self.PERSISTENT_OPS)})")
+        for old in self._requests:  # the previous case's buffers are gone
+            old.free()
+        if case.op == "all_reduce":
+            request = pg.all_reduce_init(recv)
+        elif case.op == "all_gather":
+            request = pg.all_gather_init(recv, send)
+        else:
+            request = pg.reduce_scatter_init(recv, send)
+        self._requests = [request]
+        start, wait = request.start, request.wait
+
+        def round_trip() -> None:
+            start()
+            wait()
+        return round_trip
 
     def barrier(self) -> None:
         self.pg.barrier()
@@ -179,6 +208,9 @@ class GroupRunner:
         return int(total[0])
 
     def close(self) -> None:
+        for request in self._requests:
+            request.free()
+        self._requests = []
         self.pg.close()
 
 
