@@ -462,6 +462,23 @@ def test_bench_persistent_mode(tmp_path):
     assert "through persistent requests" in proc.stdout
 
 
+def test_readme_example_prints_what_the_readme_says(tmp_path):
+    """The README's "Persistent collectives" script, saved and run as a user would."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    at = readme.index("`persistent_allreduce.py`")
+    blocks = re.compile(r"```(\w*)\n(.*?)\n```", re.S)
+    script = blocks.search(readme, at)
+    printed = blocks.search(readme, script.end())
+    (tmp_path / "persistent_allreduce.py").write_text(script.group(2) + "\n")
+    proc = subprocess.run([sys.executable, "persistent_allreduce.py"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == printed.group(2).strip()
+
+
 # ------------------------------------------------------------------ real processes
 def _spawnable() -> list:
     return [b for b in ("shm", "zmq", "gloo") if b in collectives.available_backends()]
