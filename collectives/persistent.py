@@ -68,10 +68,11 @@ Tensor = Any  # torch.Tensor or numpy.ndarray
 
 
 def _address(obj: Any) -> tuple:
-    """What identifies the memory behind a tensor: (data_ptr, shape, dtype) for torch;
-    () for numpy (an array's memory cannot move while a view of it exists)."""
+    """What a round relies on: (data_ptr, shape, dtype) of a torch tensor; (0, shape,
+    dtype) of a numpy array (its memory cannot move while a view of it exists, but its
+    shape and dtype can be reassigned in place)."""
     if isinstance(obj, np.ndarray):
-        return ()
+        return 0, obj.shape, obj.dtype
     return obj.data_ptr(), tuple(obj.shape), obj.dtype
 
 
@@ -159,8 +160,8 @@ class PersistentRequest:
             self._bind(native=False)
             return
         for (name, obj, _), before in zip(self._args, self._addresses):
-            if before and _address(obj) != before:
-                now = _address(obj)
+            now = _address(obj)
+            if now != before:
                 if now[1:] != before[1:]:
                     raise ValueError(
                         f"{self._where}: argument `{name}` changed from shape {before[1]} "

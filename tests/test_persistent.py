@@ -257,6 +257,12 @@ def test_errors_are_typed_and_name_the_call():
         t.resize_(2, 2)
         with pytest.raises(ValueError, match="argument `tensor` changed from shape"):
             req.start()
+        a = np.zeros(4, np.float32)
+        numpy_req = pg.all_reduce_init(a)
+        a.dtype = np.int32                               # reassigned in place
+        with pytest.raises(ValueError, match="changed from shape \\(4,\\) float32 to "
+                                             "\\(4,\\) int32"):
+            numpy_req.start()
         req.free()
         with pytest.raises(RuntimeError, match="freed"):
             req.start()
