@@ -22,11 +22,16 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-__all__ = ["COUNTED", "CountingGroup", "nbytes_of_call"]
+__all__ = ["COUNTED", "COUNTED_INIT", "CountingGroup", "nbytes_of_call"]
 
 #: The collectives the account counts.
 COUNTED = frozenset({"all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter",
                      "reduce_scatter", "all_to_all", "send", "recv", "isend", "irecv"})
+
+
+#: Persistent requests (collectives.persistent) of the counted collectives: every
+#: ``start()`` is one call of the collective, with its bytes, until its ``wait()``.
+COUNTED_INIT = frozenset({"all_reduce_init", "all_gather_init", "reduce_scatter_init"})
 
 
 def nbytes_of_call(args: tuple, kwargs: dict) -> int:
@@ -54,6 +59,9 @@ class CountingGroup:
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._group, name)
+        if name in COUNTED_INIT:  # a persistent request: each round counts as a call
+            return lambda *args, **kwargs: _CountedRequest(attr(*args, **kwargs), self,
+                                                           nbytes_of_call(args, kwargs))
         if name not in COUNTED:
             return attr
 
@@ -86,3 +94,36 @@ class _TimedWork:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
+
+
+class _CountedRequest:
+    """A persistent request whose rounds count as the plain calls do: bytes and a call
+    at ``start()``, time in ``start()`` and blocked in ``wait()``."""
+
+    def __init__(self, request: Any, owner: CountingGroup, nbytes: int) -> None:
+        self._request, self._owner, self._nbytes = request, owner, nbytes
+        self._counted = False
+
+    def start(self) -> None:
+        owner = self._owner
+        self._counted = owner.counting and owner._group.size > 1
+        if not self._counted:
+            self._request.start()
+            return
+        owner.bytes += self._nbytes
+        owner.calls += 1
+        start = time.perf_counter()
+        self._request.start()
+        owner.seconds += time.perf_counter() - start
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        if not self._counted:
+            return self._request.wait(timeout)
+        start = time.perf_counter()
+        try:
+            return self._request.wait(timeout)
+        finally:
+            self._owner.seconds += time.perf_counter() - start
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._request, name)
