@@ -5,7 +5,9 @@ library), one request made at the persistent request's init and started every ro
 Where the library lacks them (``NotImplementedError`` from mpi4py, or an MPI-3
 library), :func:`persistent_call` returns None and the base class's default round (the
 backend's ``Iallreduce`` hook) is used instead: the same results, one MPI request per
-round. See :mod:`collectives.persistent` for the contract.
+round. See :mod:`collectives.persistent` for the contract, and its note on binding alike
+on every rank: a rank whose arguments are staged (or whose tensor moved) runs
+``Iallreduce`` while its peers run the persistent request, which MPI does not match.
 
 Four ranks, ``mpiexec -n 4 python script.py``::
 

@@ -29,6 +29,12 @@ The contract (every backend keeps it):
   re-allocates its flat parameter with ``untyped_storage().resize_``) is bound again at
   the next ``start()``; a changed shape or dtype is a ``ValueError``. Tensors that need
   staging (non-contiguous views, CUDA tensors) are staged again at every start.
+- On mpi, whose rounds are MPI's own persistent requests where every argument is
+  zero-copy, a re-bound or staged rank runs MPI's non-blocking call instead, and MPI
+  does not match a persistent collective with a non-blocking one: there, bind alike on
+  every rank (all contiguous, or all staged) and move memory on every rank before the
+  same round, or make new requests on every rank (as FSDP does after each
+  re-allocation).
 
 The base class gives every backend a default: the checked, flat host arrays go straight
 to the backend's collective hook (``_all_reduce`` ...) on the group's thread, in issue
