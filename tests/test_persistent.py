@@ -504,19 +504,25 @@ MPIEXEC = shutil.which("mpiexec") or shutil.which("mpirun")
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec/mpirun on PATH (pip install mpich)")
-def test_under_mpiexec_with_mpi4_persistent_requests():
+def test_under_mpiexec_with_mpi4_persistent_requests(tmp_path):
     pytest.importorskip("mpi4py")
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "COLLECTIVES_BACKEND", "COLLECTIVES_JOB_ID")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    # each rank writes a file: mpiexec may interleave the ranks' output within a line
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PERSISTENT_TEST_OUT=str(tmp_path))
     proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, __file__], cwd=ROOT, env=env,
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    results = sorted((json.loads(line) for line in proc.stdout.splitlines()
-                      if line.startswith("{")), key=lambda d: d["rank"])
+    results = sorted((json.loads(f.read_text()) for f in tmp_path.glob("rank*.json")),
+                     key=lambda d: d["rank"])
     assert [d["backend"] for d in results] == ["mpi", "mpi"], proc.stdout + proc.stderr
     _assert_results(results, native=True)
 
 
 if __name__ == "__main__":  # one rank of the mpiexec job
-    print(json.dumps(_spawned_job()), flush=True)
+    report = _spawned_job()
+    folder = os.environ.get("PERSISTENT_TEST_OUT")
+    if folder:
+        Path(folder, f"rank{report['rank']}.json").write_text(json.dumps(report))
+    else:
+        print(json.dumps(report), flush=True)
