@@ -3,7 +3,8 @@
 stage 1, forward, micro-batch 0) as grey bars, every collective and point-to-point
 operation below them coloured by its mesh
 dimension (the ``dim`` the tracer's ``wrap(group, label)`` recorded), one lane per
-dimension. A collective's bar runs from its call to the moment its result was available
+dimension (for the pipeline's sends and receives, the time the caller was blocked waiting
+for them). A collective's bar runs from its call to the moment its result was available
 (for async calls, the return of ``wait()``), as in the trace.
 
     python examples/mesh.py --dp 2 --tp 2 --fsdp --trace mesh.json
@@ -84,19 +85,27 @@ def main(argv=None) -> None:
     lanes = {"dp": 0.0, "tp": 0.2, "pp": 0.4}   # one lane per dimension: overlaps stay visible
     comm = comm_slices(events)
     for rank, name, dim, start, end in comm:
-        if t0 <= start < t1:
+        if t0 <= start < t1 and dim != "pp":
             ax.broken_barh([((start - t0) / 1e3, max(end - start, 1.0) / 1e3)],
                            (rank + lanes.get(dim, 0.4), 0.17),
                            color=COLOURS.get(dim, "tab:grey"))
+    # A pipeline's isend/irecv are in flight for most of the step (its sends are waited
+    # for at the end), so its lane shows the time the caller was blocked waiting instead.
+    for e in events:
+        if (e.get("ph") == "X" and e["name"].startswith("wait pp ")
+                and t0 <= e["ts"] < t1):
+            ax.broken_barh([((e["ts"] - t0) / 1e3, max(e["dur"], 1.0) / 1e3)],
+                           (e["pid"] + lanes["pp"], 0.17), color=COLOURS["pp"])
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.invert_yaxis()
     ax.set_xlabel("ms from the start of the first step drawn")
     ax.set_title(f"{os.path.basename(args.trace)}: steps {args.step}-{args.step + args.steps - 1}")
     handles = [Patch(color=c, label=n) for n, c in PHASES.items()]
     dims = [d for d in ("dp", "tp", "pp") if any(dim == d for _, _, dim, _, _ in comm)]
-    handles += [Patch(color=COLOURS[d], label=f"{d} {'send/recv' if d == 'pp' else 'collectives'}")
-                for d in dims]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=5)
+    handles += [Patch(color=COLOURS[d], label=("pp send/recv, blocked" if d == "pp" else
+                                               f"{d} collectives")) for d in dims]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -1.2 / len(ranks)),
+              ncol=6)
     fig.tight_layout()
     fig.savefig(args.png, dpi=110)
 
