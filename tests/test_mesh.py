@@ -30,6 +30,7 @@ if str(ROOT) not in sys.path:  # run as a script under mpiexec
     sys.path.insert(0, str(ROOT))
 
 import collectives  # noqa: E402
+from job_env import job_env  # noqa: E402
 from collectives.testing.threads import run_threads  # noqa: E402
 from parallel import DeviceMesh  # noqa: E402
 from parallel.mesh import mesh_groups  # noqa: E402
@@ -236,12 +237,7 @@ def test_spawned_8_ranks(backend):
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                        "MASTER_PORT", "COLLECTIVES_BACKEND", "COLLECTIVES_JOB_ID")}
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    return env
+    return job_env()
 
 
 needs_mpi = pytest.mark.skipif(

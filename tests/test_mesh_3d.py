@@ -28,6 +28,7 @@ if str(ROOT) not in sys.path:  # run as a script under mpiexec
     sys.path.insert(0, str(ROOT))
 
 import collectives  # noqa: E402
+from job_env import job_env  # noqa: E402
 from collectives.testing.threads import run_threads  # noqa: E402
 
 MPIEXEC = shutil.which(os.environ.get("MPIEXEC") or "mpiexec") or shutil.which("mpirun")
@@ -198,12 +199,7 @@ def test_real_processes_on_shm():
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                        "MASTER_PORT", "COLLECTIVES_BACKEND", "COLLECTIVES_JOB_ID")}
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    return env
+    return job_env()
 
 
 @pytest.mark.slow
