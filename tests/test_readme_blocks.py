@@ -1,0 +1,689 @@
+"""Every code block of README.md that a reader can run, checked against the code.
+
+Two kinds of checks, one test per README block or command, each named by the nearest
+heading and the README line, so that a failure says where the README went stale:
+
+- ``test_python_block``: every ```python block that ``tests/test_readme_kit.py`` does not
+  already run, saved in a fresh folder and started with ``python FILE`` (``PYTHONPATH`` =
+  the repository root, ``OMP_NUM_THREADS=1``), must exit 0 within its timeout. Where the
+  README states the output next to the block (a comment on the ``print`` line, a
+  following unlabelled block after "prints", or "prints `...`" right after the block),
+  the key parts of it must appear in what the block printed.
+- ``test_command_arguments``: every shell command in ```bash and unlabelled blocks that
+  starts a script of ours (``python examples/X.py``, ``mpiexec -n N python ...``,
+  ``torchrun ... SCRIPT ...``, ``python benchmarks/X.py``, ``python -m collectives.X``,
+  with env-var prefixes, ``\\`` continuations and ``for`` loops, whose variables are
+  expanded over their values) must pass the script's own argparse parser. Nothing is
+  trained or measured: one bootstrap process runs every script with
+  ``ArgumentParser.parse_args`` patched to stop right after a successful parse (the
+  examples instead stop in ``examples.common.harness.launch``, so their own checks after
+  the parse, e.g. mesh.py's ``--nproc`` = dp*tp*pp, run too); an unknown or malformed
+  flag is argparse's exit status 2 and fails the test that names the README line.
+
+Run: ``python -m pytest tests/test_readme_blocks.py -q``.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import itertools
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README_PATH = ROOT / "README.md"
+README = README_PATH.read_text()
+KIT_TEST = ROOT / "tests" / "test_readme_kit.py"
+#: Seconds one python block may run; the slowest measured here took well under half.
+BLOCK_TIMEOUT = 180.0
+#: Folders whose scripts are "ours": a command naming a script there must find it.
+OUR_FOLDERS = ("examples", "benchmarks", "tests", "collectives", "parallel", "backends")
+
+
+# --------------------------------------------------------------------------- README
+
+@dataclass
+class Block:
+    """One fenced block: its language tag, its first content line (1-based), the nearest
+    heading above it, its text, and the prose between it and the next block."""
+    lang: str
+    line: int
+    heading: str
+    text: str
+    after: str = ""
+    next_block: Optional["Block"] = None
+
+    @property
+    def id(self) -> str:
+        slug = re.sub(r"[^a-z0-9]+", "-", self.heading.lstrip("#").lower()).strip("-")
+        return f"{slug[:40].rstrip('-')}-L{self.line}"
+
+
+def readme_blocks(text: str = README) -> list[Block]:
+    """The fenced blocks of `text` in order, each with the prose that follows it."""
+    lines = text.split("\n")
+    blocks: list[Block] = []
+    heading, i, prose_start = "(top)", 0, 0
+    while i < len(lines):
+        line = lines[i]
+        fence = re.match(r"^```(\w*)\s*$", line)
+        if line.startswith("#"):
+            heading = line.strip()
+        elif fence:
+            end = i + 1
+            while end < len(lines) and not lines[end].startswith("```"):
+                end += 1
+            if blocks:
+                blocks[-1].after = "\n".join(lines[prose_start:i])
+            blocks.append(Block(fence.group(1), i + 2, heading,
+                                "\n".join(lines[i + 1:end]) + "\n"))
+            i, prose_start = end, end + 1
+        i += 1
+    if blocks:
+        blocks[-1].after = "\n".join(lines[prose_start:])
+    for first, second in zip(blocks, blocks[1:]):
+        first.next_block = second
+    return blocks
+
+
+def kit_blocks(text: str = README) -> set[int]:
+    """The README lines of the blocks tests/test_readme_kit.py runs: it finds a block as
+    the first fenced block after the first mention of a `file name`, as here."""
+    names = set(re.findall(r'(?:run_script|readme_block)\("([\w.]+)"', KIT_TEST.read_text()))
+    found = set()
+    for name in names:
+        at = text.find(f"`{name}`")
+        if at < 0:
+            continue
+        fence = re.compile(r"^```\w*\n", re.M).search(text, at)
+        if fence:
+            found.add(text.count("\n", 0, fence.end()) + 1)
+    return found
+
+
+BLOCKS = readme_blocks()
+KIT_LINES = kit_blocks()
+PYTHON_BLOCKS = [b for b in BLOCKS if b.lang == "python" and b.line not in KIT_LINES]
+
+
+# ------------------------------------------------------------ what the README says they print
+
+def _squash(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _comment(block: Block, marker: str) -> str:
+    """The comment on the block's line that contains `marker`."""
+    line = next(l for l in block.text.splitlines() if marker in l)
+    return line.split("#", 1)[1].strip()
+
+
+def _expect_output_block(block: Block, out: str) -> list[str]:
+    """A following unlabelled block, with at most the word "prints" between: every line of
+    it is a line of the output."""
+    between = block.after.strip()
+    nxt = block.next_block
+    if nxt is None or nxt.lang or between not in ("", "prints", "prints:"):
+        return []
+    lines = [l.rstrip() for l in out.splitlines()]
+    missing = [l for l in nxt.text.splitlines() if l.strip() and l.rstrip() not in lines]
+    assert not missing, (f"README line {nxt.line}: the output shown is not what the block "
+                         f"printed; missing lines {missing}\n--- printed:\n{out}")
+    return nxt.text.splitlines()
+
+
+def _expect_prints_spans(block: Block, out: str) -> list[str]:
+    """"prints `X`, ... `Y`" right after the block: every `span` of that paragraph appears
+    in the output (whitespace squashed)."""
+    paragraph = block.after.strip().split("\n\n")[0]
+    if not paragraph.startswith("prints"):
+        return []
+    blanked = re.sub(r"`[^`]+`", lambda m: "x" * len(m.group(0)), paragraph)
+    end = re.search(r"\.(\s|$)", blanked)                  # the first sentence only
+    paragraph = paragraph[:end.start() if end else len(paragraph)]
+    spans = [_squash(s) for s in re.findall(r"`([^`]+)`", paragraph)]
+    printed = _squash(out)
+    missing = [s for s in spans
+               if not re.search(r"(?<!\S)" + re.escape(s) + r"(?!\S)", printed)]
+    assert not missing, (f"README after line {block.line}: says it prints {missing}\n"
+                         f"--- printed:\n{out}")
+    return spans
+
+
+def _last_literal(out: str):
+    return ast.literal_eval(out.strip().splitlines()[-1])
+
+
+def _check_api(block: Block, out: str) -> None:
+    # "# both ranks: [3., 3., 3., 3.]" after the all_reduce; MAX and the send keep it.
+    values = ast.literal_eval(_comment(block, "pg.all_reduce(t)").split(":", 1)[1].strip()
+                              .replace(".,", ".0,").replace(".]", ".0]"))
+    assert _last_literal(out) == [values, values], out
+
+
+def _check_tp_layers(block: Block, out: str) -> None:
+    # "# [((16, 16), (4, 16), True, True), ...]": that tuple on each of the 2 ranks.
+    one = ast.literal_eval(_comment(block, "spawn(main, 2)").replace(", ...]", "]"))[0]
+    assert _last_literal(out) == [one, one], out
+
+
+def _check_tp_transformer(block: Block, out: str) -> None:
+    # "# the same loss twice on each rank": (loss, reference) equal, and equal across ranks.
+    assert "the same loss twice" in _comment(block, "spawn(main, 2)")
+    result = _last_literal(out)
+    assert len(result) == 2 and all(a == b for a, b in result) and result[0] == result[1], out
+
+
+def _check_fsdp_shape(block: Block, out: str) -> None:
+    expected = _comment(block, "print(shape)")              # torch.Size([256, 256])
+    assert out.splitlines()[0].strip() == expected, out
+
+
+def _check_pipeline(block: Block, out: str) -> None:
+    # "# [None, 1.3269]: rank 1 has the loss"
+    expected = re.match(r"(\[.*?\])", _comment(block, "spawn(main, 2)")).group(1)
+    assert out.strip().splitlines()[-1] == expected, out
+
+
+def _check_mesh(block: Block, out: str) -> None:
+    # "# rank 5: (1, 0, 1), (4, 5), (1, 5), 2, 9.0": what rank 5 printed.
+    rank, values = re.match(r"rank (\d+): (.*)", _comment(block, "print(rank, seen)")).groups()
+    expected = ast.literal_eval(f"({values})")
+    lines = {int(l.split(" ", 1)[0]): ast.literal_eval(l.split(" ", 1)[1])
+             for l in out.strip().splitlines()}
+    assert tuple(lines[int(rank)]) == expected, out
+    assert sorted(lines) == list(range(8)), out
+
+
+#: A marker (a line of the block) -> a check of the printed output against the README's
+#: comment on that block. Each marker must be in exactly one block
+#: (``test_every_output_check_names_one_block``).
+OUTPUT_CHECKS: dict[str, Callable[[Block, str], None]] = {
+    "pg.all_gather(out, np.full(2, pg.rank, np.float32))": _check_api,
+    "col = ColumnParallelLinear.from_dense(fc1, pg)": _check_tp_layers,
+    "block = ParallelTransformerBlock(hidden, heads, pg, sequence_parallel=True)":
+        _check_tp_transformer,
+    "print(shape)  # torch.Size([256, 256])": _check_fsdp_shape,
+    "sched = Schedule1F1B(stage, n_microbatches=4, loss_fn=F.mse_loss)": _check_pipeline,
+    'mesh = DeviceMesh(pg, (2, 2, 2), ("dp", "pp", "tp"))': _check_mesh,
+}
+#: Blocks slower than ~20 s on the 2-core machine: left to ``-m slow`` (none so far).
+SLOW_MARKERS: tuple[str, ...] = ()
+
+
+def _block_params() -> list:
+    return [pytest.param(b, id=b.id, marks=[pytest.mark.slow] if any(
+        m in b.text for m in SLOW_MARKERS) else []) for b in PYTHON_BLOCKS]
+
+
+def run_block(block: Block, timeout: float = BLOCK_TIMEOUT):
+    """Save the block as readme_block.py in a fresh folder and run ``python`` on it."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    with tempfile.TemporaryDirectory(prefix="readme-block-") as folder:
+        Path(folder, "readme_block.py").write_text(block.text)
+        start = time.monotonic()
+        done = subprocess.run([sys.executable, "readme_block.py"], cwd=folder, env=env,
+                              text=True, capture_output=True, timeout=timeout)
+        return done, time.monotonic() - start
+
+
+#: Blocks run at the same time: most of a block's time is its ranks starting (imports,
+#: rendezvous), so two at once keep the file well inside its time on 2 cores.
+BLOCK_WORKERS = 2
+
+
+@pytest.fixture(scope="module")
+def block_runs(request):
+    """Every selected python block started once, BLOCK_WORKERS at a time; each test waits
+    for its own."""
+    selected = sorted({item.callspec.params["block"].line for item in request.session.items
+                       if getattr(item, "originalname", "") == "test_python_block"})
+    by_line = {b.line: b for b in PYTHON_BLOCKS}
+    with ThreadPoolExecutor(BLOCK_WORKERS) as pool:
+        yield {line: pool.submit(run_block, by_line[line]) for line in selected}
+
+
+@pytest.mark.parametrize("block", _block_params())
+def test_python_block(block: Block, block_runs):
+    done, seconds = block_runs[block.line].result()
+    print(f"README line {block.line} ({block.heading}): {seconds:.1f} s")
+    assert done.returncode == 0, (f"README line {block.line}: exit status "
+                                  f"{done.returncode}\n{done.stderr[-3000:]}")
+    checked = _expect_output_block(block, done.stdout) + _expect_prints_spans(block,
+                                                                               done.stdout)
+    for marker, check in OUTPUT_CHECKS.items():
+        if marker in block.text:
+            check(block, done.stdout)
+            checked.append(marker)
+    print(f"  checked {len(checked)} stated outputs")
+
+
+def test_every_output_check_names_one_block():
+    for marker in OUTPUT_CHECKS:
+        holders = [b.line for b in PYTHON_BLOCKS if marker in b.text]
+        assert len(holders) == 1, f"output check {marker!r} matches blocks {holders}"
+
+
+def test_the_block_finder_sees_the_kit_blocks_and_the_others():
+    assert len(KIT_LINES) >= 3, KIT_LINES                      # the kit's scripts
+    assert all(b.lang == "python" for b in BLOCKS if b.line in KIT_LINES)
+    assert len(PYTHON_BLOCKS) >= 8, [b.id for b in PYTHON_BLOCKS]
+
+
+# ------------------------------------------------------------------ shell commands
+
+SHELL_LANGS = ("", "bash", "sh", "shell", "console")
+#: Separators between commands on one line; the bootstrap checks each command alone.
+_SEPARATORS = {"&&", "||", ";", "|", "&", "(", ")"}
+
+
+@dataclass
+class Command:
+    """One command of ours from a README shell block: ``env`` prefix, the launcher
+    (``""``, ``mpiexec``/``mpirun`` or ``torchrun``) and its options, and the script (a
+    path) or module with its arguments."""
+    line: int
+    source: str
+    kind: str                       # "path" or "module"
+    target: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    launcher: str = ""
+    launcher_args: list[str] = field(default_factory=list)
+    #: From a `span` of the prose. One without arguments names the script in passing
+    #: ("`python -m collectives.doctor` shows ..."): it must exist, and is not parsed.
+    inline: bool = False
+
+    @property
+    def id(self) -> str:
+        words = [self.launcher, *self.launcher_args, self.target, *self.argv]
+        return f"L{self.line}:" + " ".join(w for w in words if w)[:90]
+
+
+def _logical_lines(block: Block) -> list[tuple[int, str]]:
+    """The block's lines with ``\\`` continuations joined, each with its README line."""
+    out: list[tuple[int, str]] = []
+    pending, start = "", 0
+    for offset, line in enumerate(block.text.splitlines()):
+        if not pending:
+            start = block.line + offset
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        out.append((start, pending + line))
+        pending = ""
+    if pending:
+        out.append((start, pending))
+    return out
+
+
+def _loop_values(text: str) -> dict[str, list[str]]:
+    """``for VAR in A B C; do``: VAR -> [A, B, C], for every loop of the block."""
+    return {var: values.split() for var, values in
+            re.findall(r"\bfor\s+(\w+)\s+in\s+([^;\n]+?)\s*;\s*do\b", text)}
+
+
+def _expand(text: str, loops: dict[str, list[str]]) -> list[str]:
+    """`text` once per combination of the values of the loop variables it uses."""
+    used = [v for v in loops if re.search(r"\$\{?" + v + r"\b", text)]
+    expanded = []
+    for values in itertools.product(*(loops[v] for v in used)):
+        t = text
+        for var, value in zip(used, values):
+            t = re.sub(r"\$\{" + var + r"\}|\$" + var + r"\b", value, t)
+        expanded.append(t)
+    return expanded
+
+
+def _segments(text: str) -> list[list[str]]:
+    """The simple commands of one shell line: subshells ``$(...)`` taken out as
+    commands of their own, ``for ... do``/``done`` and redirections dropped, split at
+    ``&&``, ``;``, ``|``; ``#`` comments removed."""
+    inner = re.findall(r"\$\(([^()]*)\)", text)
+    text = re.sub(r"\$\([^()]*\)", " ", text)
+    text = re.sub(r"\bfor\s+\w+\s+in\s+[^;\n]*;\s*do\b|\bdone\b|\bdo\b", " ", text)
+    segments: list[list[str]] = []
+    for part in [text, *inner]:
+        part = re.sub(r"(?<!\S)\d*>>?\s*\S+", " ", part)          # 2>/dev/null, > out
+        lexer = shlex.shlex(part, posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        current: list[str] = []
+        for token in lexer:
+            if token in _SEPARATORS:
+                segments.append(current)
+                current = []
+            else:
+                current.append(token)
+        segments.append(current)
+    return [s for s in segments if s]
+
+
+def _command(line: int, source: str, words: list[str], env=None, launcher: str = "",
+             launcher_args=None) -> Optional[Command]:
+    """The Command that `words` start, or None when it is not a script of ours."""
+    env = dict(env or {})
+    while words and re.match(r"^[A-Za-z_]\w*=", words[0]):           # VAR=value prefix
+        name, value = words[0].split("=", 1)
+        env[name], words = value, words[1:]
+    if not words:
+        return None
+    head = os.path.basename(words[0])
+    if head in ("mpiexec", "mpirun") and not launcher:
+        at = next((i for i, w in enumerate(words) if re.match(r"python[\d.]*$", w)), None)
+        if at is None:
+            return None
+        return _command(line, source, words[at:], env, head, words[1:at])
+    if head == "torchrun" and not launcher:
+        at = next((i for i, w in enumerate(words) if w.endswith(".py")), None)
+        if at is None:
+            return None
+        return Command(line, source, "path", words[at], words[at + 1:], env, head,
+                       words[1:at])
+    if not re.match(r"python[\d.]*$", head) or len(words) < 2:
+        return None
+    if words[1] == "-m":
+        if len(words) < 3 or not words[2].startswith("collectives"):
+            return None                                   # pip, pytest: not ours
+        return Command(line, source, "module", words[2], words[3:], env, launcher,
+                       list(launcher_args or []))
+    script = words[1]
+    if not script.endswith(".py") or script.split("/")[0] not in OUR_FOLDERS:
+        return None                                       # a file the reader writes
+    return Command(line, source, "path", script, words[2:], env, launcher,
+                   list(launcher_args or []))
+
+
+#: How a line that runs something starts: env assignments, then a launcher, python or a
+#: for loop (output lines, such as a traceback's, never do).
+_COMMAND_START = re.compile(r"^\s*([A-Za-z_]\w*=\S*\s+)*(python[\d.]*|mpiexec|mpirun|torchrun|for)\s")
+
+_SUBSHELL_START = re.compile(r"\$\(\s*([A-Za-z_]\w*=\S*\s+)*(python[\d.]*|mpiexec|mpirun|torchrun)\s")
+
+
+def inline_commands(text: str = README) -> list[tuple[int, str]]:
+    """`python benchmarks/X.py --flag` written in the prose (outside fenced blocks, also
+    across a line break): (README line, command) for each such `span`."""
+    blanked = re.sub(r"^```.*?^```", lambda m: "\n" * m.group(0).count("\n"), text,
+                     flags=re.S | re.M)
+    return [(blanked.count("\n", 0, m.start()) + 1, " ".join(m.group(1).split()))
+            for m in re.finditer(r"`([^`]+)`", blanked)
+            if _COMMAND_START.match(" ".join(m.group(1).split()) + " ")]
+
+
+def readme_commands(blocks: list[Block] = BLOCKS,
+                    inline: Optional[list[tuple[int, str]]] = None) -> list[Command]:
+    """Every command of ours in the shell and unlabelled blocks (and `inline` ones from
+    the prose), loops expanded, each distinct command once."""
+    found: dict[tuple, Command] = {}
+    sources = [(b.text, _logical_lines(b), False) for b in blocks if b.lang in SHELL_LANGS]
+    sources += [(text, [(line, text)], True) for line, text in inline or []]
+    for whole, lines, in_prose in sources:
+        loops = _loop_values(whole)
+        for line, text in lines:
+            if not (_COMMAND_START.match(text) or _SUBSHELL_START.search(text)):
+                continue                          # output, a file tree, prose
+            for variant in _expand(text, loops):
+                for words in _segments(variant):
+                    cmd = _command(line, text.strip(), words)
+                    if cmd is not None:
+                        cmd.inline = in_prose
+                        key = (cmd.launcher, tuple(cmd.launcher_args), cmd.target,
+                               tuple(cmd.argv), tuple(sorted(cmd.env.items())))
+                        found.setdefault(key, cmd)
+    return list(found.values())
+
+
+# ------------------------------------------------ the bootstrap: parse, never train
+
+#: Runs each check of a JSON list (argv[1]) with argparse patched, writes the outcomes
+#: (argv[2]). A script that parses with the examples' harness stops in ``launch`` (its
+#: own checks after the parse run first); any other stops as soon as a parser accepted
+#: all its arguments (``parse_args``, or ``parse_known_args`` with nothing left over).
+#: A script still running after its alarm ran past its parser: a failure, not a hang.
+BOOTSTRAP = r'''
+import argparse, contextlib, io, json, os, re, runpy, signal, sys, traceback
+
+class Accepted(BaseException):
+    """The arguments were accepted: stop before the script does any work."""
+
+class RanPastParser(BaseException):
+    pass
+
+state = {"defer": False, "depth": 0}
+original_parse = argparse.ArgumentParser.parse_args
+original_known = argparse.ArgumentParser.parse_known_args
+
+def parse_args(self, args=None, namespace=None):
+    self.allow_abbrev = False         # a README flag must be the option's whole name
+    state["depth"] += 1
+    try:
+        ns = original_parse(self, args, namespace)
+    finally:
+        state["depth"] -= 1
+    if not state["defer"]:
+        raise Accepted()
+    return ns
+
+def parse_known_args(self, args=None, namespace=None):
+    self.allow_abbrev = False
+    ns, extras = original_known(self, args, namespace)
+    if state["depth"] == 0 and not extras and not state["defer"]:
+        raise Accepted()
+    return ns, extras
+
+def launch(main, args):
+    raise Accepted()
+
+def alarm(signum, frame):
+    raise RanPastParser()
+
+argparse.ArgumentParser.parse_args = parse_args
+argparse.ArgumentParser.parse_known_args = parse_known_args
+import examples.common.harness as harness
+harness.launch = launch
+signal.signal(signal.SIGALRM, alarm)
+
+results = []
+for check in json.load(open(sys.argv[1])):
+    env, argv = dict(os.environ), sys.argv
+    os.environ.update(check["env"])
+    out, err = io.StringIO(), io.StringIO()
+    target = check["target"]
+    outcome, code = "returned", None
+    signal.alarm(check["seconds"])
+    try:
+        source = open(target).read() if check["kind"] == "path" else ""
+        state["defer"] = bool("examples.common.harness import" in source
+                              and re.search(r"\blaunch\(", source))
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            sys.argv = [target, *check["argv"]]
+            if check["kind"] == "module":
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(target, run_name="__main__")
+    except Accepted:
+        outcome, code = "accepted", 0
+    except SystemExit as exc:
+        outcome = "exit"
+        code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+        if isinstance(exc.code, str):
+            err.write(exc.code)
+    except RanPastParser:
+        outcome = "ran past its parser"
+    except BaseException:
+        outcome = "error"
+        err.write(traceback.format_exc())
+    finally:
+        signal.alarm(0)
+        os.environ.clear()
+        os.environ.update(env)
+        sys.argv = argv
+    results.append({"outcome": outcome, "code": code, "stderr": err.getvalue()[-2000:],
+                    "stdout": out.getvalue()[-1000:]})
+json.dump(results, open(sys.argv[2], "w"))
+'''
+#: Seconds one script may run in the bootstrap before it counts as past its parser.
+PARSE_SECONDS = 60
+
+
+def _parses_with_argparse(path: Path) -> bool:
+    source = path.read_text()
+    return "argparse" in source or "parse_args(" in source
+
+
+def bootstrap_checks(cmd: Command) -> list[dict]:
+    """What the bootstrap runs for one README command: torchrun's own parser on its
+    options, then the script's (or module's) parser on the script's arguments."""
+    checks: list[dict] = []
+    if cmd.inline and not cmd.argv and not cmd.launcher:
+        return checks                                  # a mention: it must only exist
+    if cmd.launcher == "torchrun":
+        checks.append({"kind": "module", "target": "torch.distributed.run",
+                       "argv": [*cmd.launcher_args, cmd.target, *cmd.argv]})
+    if cmd.kind == "module" or _parses_with_argparse(ROOT / cmd.target):
+        checks.append({"kind": cmd.kind, "target": cmd.target, "argv": cmd.argv})
+    for check in checks:
+        check.update(env=cmd.env, seconds=PARSE_SECONDS)
+    return checks
+
+
+def run_bootstrap(checks: list[dict], timeout: float = 600.0) -> list[dict]:
+    """One process runs every check in turn (torch and the scripts' imports load once)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    with tempfile.TemporaryDirectory(prefix="readme-args-") as folder:
+        todo, done = Path(folder, "checks.json"), Path(folder, "results.json")
+        todo.write_text(json.dumps(checks))
+        run = subprocess.run([sys.executable, "-c", BOOTSTRAP, str(todo), str(done)],
+                             cwd=ROOT, env=env, text=True, capture_output=True,
+                             timeout=timeout)
+        assert run.returncode == 0 and done.exists(), f"bootstrap failed:\n{run.stderr[-3000:]}"
+        return json.loads(done.read_text())
+
+
+COMMANDS = readme_commands(BLOCKS, inline_commands())
+#: Commands that must NOT pass, run in the same bootstrap: proof that the patched parsers
+#: still refuse (an unknown flag, a malformed value, an example's own check after the
+#: parse, a module's parser, torchrun's).
+MUST_FAIL = [
+    Command(0, "", "path", "examples/ddp.py", ["--no-such-flag"]),
+    Command(0, "", "path", "examples/fsdp.py", ["--strategy", "zero4"]),
+    Command(0, "", "path", "examples/pp.py", ["--epochs", "two"]),
+    Command(0, "", "path", "examples/pp.py", ["--virtual", "2"]),    # an abbreviation
+    Command(0, "", "path", "examples/mesh.py", ["--dp", "2", "--tp", "2", "--nproc", "3"]),
+    Command(0, "", "path", "examples/plot_trace.py", ["only-one-positional.json"]),
+    Command(0, "", "path", "benchmarks/torch_ddp_backends.py", ["--repeats", "5"]),
+    Command(0, "", "module", "collectives.bench", ["--sizes", "lots"]),
+    Command(0, "", "path", "examples/ddp.py", [], launcher="torchrun",
+            launcher_args=["--nproc-per-nodes", "2"]),
+]
+
+
+@pytest.fixture(scope="module")
+def parse_results() -> dict[int, list[dict]]:
+    """The bootstrap's outcomes for every README command and MUST_FAIL, run once."""
+    plan = [(i, c) for i, c in enumerate(COMMANDS + MUST_FAIL)]
+    checks, owners = [], []
+    for i, cmd in plan:
+        for check in bootstrap_checks(cmd):
+            checks.append(check)
+            owners.append(i)
+    start = time.monotonic()
+    results = run_bootstrap(checks)
+    print(f"\nbootstrap: {len(checks)} parses of {len(plan)} commands in "
+          f"{time.monotonic() - start:.1f} s")
+    by_command: dict[int, list[dict]] = {i: [] for i, _ in plan}
+    for owner, check, result in zip(owners, checks, results):
+        by_command[owner].append(dict(result, target=check["target"]))
+    return by_command
+
+
+def _check_launcher(cmd: Command) -> None:
+    if cmd.launcher in ("mpiexec", "mpirun"):
+        args = cmd.launcher_args
+        assert len(args) == 2 and args[0] in ("-n", "-np") and args[1].isdigit() \
+            and int(args[1]) >= 1, (f"README line {cmd.line}: {cmd.launcher} options "
+                                    f"{args}, expected -n N")
+
+
+@pytest.mark.parametrize("index", range(len(COMMANDS)),
+                         ids=[c.id for c in COMMANDS])
+def test_command_arguments(index: int, parse_results):
+    cmd = COMMANDS[index]
+    where = f"README line {cmd.line}: `{cmd.source}`"
+    _check_launcher(cmd)
+    if cmd.kind == "module":
+        assert importlib.util.find_spec(cmd.target) is not None, f"{where}: no module"
+    if cmd.kind == "path":
+        path = ROOT / cmd.target
+        assert path.is_file(), f"{where}: no file {cmd.target}"
+        if not _parses_with_argparse(path):
+            # A script that reads sys.argv itself (tests/scripts/torch_backend_job.py
+            # picks a job by name): each argument must be a quoted name in its source.
+            source = path.read_text()
+            missing = [a for a in cmd.argv if f'"{a}"' not in source and f"'{a}'" not in source]
+            assert not missing, f"{where}: {cmd.target} knows no {missing}"
+    for result in parse_results[index]:
+        assert result["outcome"] == "accepted", (
+            f"{where}: {result['target']} did not accept the arguments "
+            f"({result['outcome']}, exit status {result['code']}):\n{result['stderr']}")
+
+
+@pytest.mark.parametrize("index", range(len(MUST_FAIL)), ids=[
+    " ".join([c.launcher, *c.launcher_args, c.target, *c.argv]).strip()
+    for c in MUST_FAIL])
+def test_a_wrong_argument_is_refused(index: int, parse_results):
+    results = parse_results[len(COMMANDS) + index]
+    assert results and results[0]["outcome"] == "exit" and results[0]["code"] == 2, results
+
+
+def test_the_commands_cover_every_launcher_and_kind():
+    launchers = {c.launcher for c in COMMANDS}
+    assert {"", "torchrun"} <= launchers and launchers & {"mpiexec", "mpirun"}, launchers
+    assert any(c.kind == "module" for c in COMMANDS)
+    assert any(c.env for c in COMMANDS)
+    assert len(COMMANDS) >= 20, [c.id for c in COMMANDS]
+
+
+def test_the_command_finder_on_a_made_up_block():
+    text = "\n".join([
+        "python -m pip install -e '.[test]' && python -m pytest",
+        "FOO=1 BAR=x mpiexec -n 3 python examples/ddp.py --epochs 1   # a comment",
+        "torchrun --standalone --nproc-per-node 2 examples/tp.py --backend gloo",
+        "python examples/pp.py --schedule 1f1b \\",
+        "    --epochs 2",
+        "for s in a b; do for n in 2 4; do",
+        '  echo "$s $(python benchmarks/x.py --s $s --n ${n} 2>/dev/null | tail -1)"',
+        "done; done",
+        "rank 0 | python examples/ddp.py is output, not a command",
+        "python my_own_file.py --anything",
+        "python -m collectives.bench --ops all",
+    ]) + "\n"
+    got = [(c.line, c.env, c.launcher, c.launcher_args, c.target, c.argv)
+           for c in readme_commands([Block("bash", 10, "# x", text)])]
+    assert got == [
+        (11, {"FOO": "1", "BAR": "x"}, "mpiexec", ["-n", "3"], "examples/ddp.py",
+         ["--epochs", "1"]),
+        (12, {}, "torchrun", ["--standalone", "--nproc-per-node", "2"], "examples/tp.py",
+         ["--backend", "gloo"]),
+        (13, {}, "", [], "examples/pp.py", ["--schedule", "1f1b", "--epochs", "2"]),
+        (16, {}, "", [], "benchmarks/x.py", ["--s", "a", "--n", "2"]),
+        (16, {}, "", [], "benchmarks/x.py", ["--s", "a", "--n", "4"]),
+        (16, {}, "", [], "benchmarks/x.py", ["--s", "b", "--n", "2"]),
+        (16, {}, "", [], "benchmarks/x.py", ["--s", "b", "--n", "4"]),
+        (20, {}, "", [], "collectives.bench", ["--ops", "all"]),
+    ], got
