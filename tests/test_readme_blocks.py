@@ -190,13 +190,19 @@ def block_runs(request):
     selected = sorted({item.callspec.params["block"].line for item in request.session.items
                        if getattr(item, "originalname", "") == "test_python_block"})
     by_line = {b.line: b for b in PYTHON_BLOCKS}
-    with ThreadPoolExecutor(BLOCK_WORKERS) as pool:
+    pool = ThreadPoolExecutor(BLOCK_WORKERS)
+    try:
         yield {line: pool.submit(run_block, by_line[line]) for line in selected}
+    finally:                          # after a -x stop, start no block still waiting
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 @pytest.mark.parametrize("block", _block_params())
 def test_python_block(block: Block, block_runs):
-    done, seconds = block_runs[block.line].result()
+    try:
+        done, seconds = block_runs[block.line].result()
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"README line {block.line}: still running after {BLOCK_TIMEOUT:.0f} s")
     print(f"README line {block.line} ({block.heading}): {seconds:.1f} s")
     assert done.returncode == 0, (f"README line {block.line}: exit status "
                                   f"{done.returncode}\n{done.stderr[-3000:]}")
@@ -212,6 +218,19 @@ def test_python_block(block: Block, block_runs):
                     f"says next to `{marker}`: {exc}\n--- printed:\n{done.stdout}") from None
             checked.append(marker)
     print(f"  checked {len(checked)} stated outputs")
+
+
+def test_every_block_with_a_stated_output_is_checked():
+    # A `print(...)  # what it prints` line, or "prints" after the block, with no check
+    # here, would let that output go stale unseen: add it to OUTPUT_CHECKS.
+    for block in PYTHON_BLOCKS:
+        states = any("print(" in l and "#" in l for l in block.text.splitlines()) \
+            or block.after.strip().startswith("prints")
+        generic = block.after.strip().startswith("prints")   # both generic checks need it
+        generic = generic or (block.after.strip() == "" and block.next_block is not None
+                              and block.next_block.lang == "")
+        assert not states or generic or any(m in block.text for m in OUTPUT_CHECKS), \
+            f"README line {block.line}: states an output that no check reads"
 
 
 def test_every_output_check_names_one_block():
