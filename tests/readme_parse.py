@@ -240,7 +240,10 @@ def readme_commands(blocks: list[Block] = BLOCKS,
     the prose), loops expanded, each distinct command once."""
     found: dict[tuple, Command] = {}
     sources = [(b.text, _logical_lines(b), False) for b in blocks if b.lang in SHELL_LANGS]
-    sources += [(text, [(line, text)], True) for line, text in inline or []]
+    # A span of the prose may be a synopsis with placeholders (`--nproc N`, `DIR`): each
+    # stands for a value, here "1", which every int, float or str option takes.
+    sources += [(text, [(line, re.sub(r"(?<!\S)[A-Z][A-Z_]*(?!\S)", "1", text))], True)
+                for line, text in inline or []]
     for whole, lines, in_prose in sources:
         loops = _loop_values(whole)
         for line, text in lines:

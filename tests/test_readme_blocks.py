@@ -396,3 +396,13 @@ def test_the_command_finder_on_a_made_up_block():
         (16, {}, "", [], "benchmarks/x.py", ["--s", "b", "--n", "4"]),
         (20, {}, "", [], "collectives.bench", ["--ops", "all"]),
     ], got
+
+
+def test_a_prose_span_is_a_command_with_placeholders_as_values():
+    spans = inline_commands("Run `python -m collectives.bench --nproc N\n--memcpy` or\n"
+                            "`python check_mine.py`; `python -m pytest -q`.\n")
+    assert spans == [(1, "python -m collectives.bench --nproc N --memcpy"),
+                     (3, "python check_mine.py"), (3, "python -m pytest -q")], spans
+    [cmd] = readme_commands([], spans)
+    assert (cmd.kind, cmd.target, cmd.argv, cmd.inline) == (
+        "module", "collectives.bench", ["--nproc", "1", "--memcpy"], True)
