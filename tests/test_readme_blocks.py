@@ -156,8 +156,9 @@ OUTPUT_CHECKS: dict[str, Callable[[Block, str], None]] = {
 #: Blocks left to ``-m slow``, by a line of theirs. torch's DDP over the "collectives"
 #: backend on zmq is the slowest block (9-17 s here, alone or beside another: two fresh
 #: ranks import torch.distributed and rendezvous twice, torch's store and zmq's); with it
-#: the default file took 81-84 s at load average 4-7, without it under 70 s. Its calls
-#: are checked by default in tests/test_torch_backend.py.
+#: the default file took 81-84 s at load average 4-7, without it 44-84 s at load 4-8
+#: (most of it torch imports: 17 fresh interpreters). Its calls are checked by default in
+#: tests/test_torch_backend.py. Moving another block to slow is one line here.
 SLOW_MARKERS: tuple[str, ...] = ('dist.init_process_group("collectives")',)
 
 
