@@ -35,6 +35,7 @@ from collectives.work import Work
 from . import segment as sg
 from .channels import HEADER_BYTES, Engine, SendOp
 from .futex import Doorbells, wait_mode
+from .native_ops import NativePaths
 from .ops import CollectiveOps, dtype_code, dtype_name
 from .reduce import ReduceOps
 
@@ -87,7 +88,7 @@ class _P2PWork(Work):
         return op.done
 
 
-class ShmGroup(ReduceOps, CollectiveOps, ProcessGroup):
+class ShmGroup(NativePaths, ReduceOps, CollectiveOps, ProcessGroup):
     """Ranks of one host communicating through one POSIX shared-memory segment."""
 
     backend = "shm"
@@ -137,9 +138,9 @@ class ShmGroup(ReduceOps, CollectiveOps, ProcessGroup):
                                 [lay.bell_byte(r) for r in range(size)],
                                 [lay.ctrl_word(r, sg.W_SLEEPERS) for r in range(size)],
                                 rank, wait_mode())
+        self._seg, self._layout = seg, lay
+        self._use_native()  # the compiled core, its doorbells and the wait policy
         self._engine = Engine(seg, rank, size, self._bells.ring, self._where, dtype_name)
-        self._spin_s = env_number(SPIN_ENV, 5) * 1e-6
-        self._yield_s = env_number(YIELD_ENV, 100) * 1e-6
         self._phase = int(seg.u64[self._me_arrived])
         self._S = lay.chunk
         self._slots = [[seg.bytes[lay.slot_off(b, r):lay.slot_off(b, r) + lay.chunk]
@@ -371,6 +372,7 @@ class ShmGroup(ReduceOps, CollectiveOps, ProcessGroup):
                 self._mark(sg.STATE_CLOSED)
             except Exception:  # noqa: BLE001 - closing must not fail
                 pass
+            self._native = None  # releases its hold on the mapping
             self._engine.close()
             self._typed.clear()
             self._small_cache.clear()
