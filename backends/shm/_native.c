@@ -109,8 +109,12 @@ static inline uint16_t f2b(float f) {
  * its sources before it writes). Integers wrap (unsigned arithmetic), as numpy's do. */
 #define BLOCK 1024
 
-#define FMIN(a, b) (((a) <= (b) || (a) != (a)) ? (a) : (b))
-#define FMAX(a, b) (((a) >= (b) || (a) != (a)) ? (a) : (b))
+/* NaN propagates; on a tie (-0 against +0) numpy's float32/float64 loops and
+ * ml_dtypes' bfloat16 return the second operand, numpy's float16 loop the first. */
+#define FMIN(a, b) (((a) < (b) || (a) != (a)) ? (a) : (b))
+#define FMAX(a, b) (((a) > (b) || (a) != (a)) ? (a) : (b))
+#define HMIN(a, b) (((a) <= (b) || (a) != (a)) ? (a) : (b))
+#define HMAX(a, b) (((a) >= (b) || (a) != (a)) ? (a) : (b))
 #define IMIN(a, b) ((a) < (b) ? (a) : (b))
 #define IMAX(a, b) ((a) > (b) ? (a) : (b))
 
@@ -163,7 +167,7 @@ static inline uint16_t f2b(float f) {
 
 /* float16 and bfloat16: each step in float32, rounded back to 16 bits (numpy's
  * half(float(a) + float(b)); ml_dtypes' likewise), the divisor itself a 16-bit value. */
-#define HALF_KERNEL(NAME, TOF, FROMF)                                                  \
+#define HALF_KERNEL(NAME, TOF, FROMF, MN, MX)                                          \
     static void NAME(void *out_, char **srcs, int k, Py_ssize_t count, int op, int n) { \
         uint16_t *out = (uint16_t *)out_;                                              \
         float acc[BLOCK];                                                              \
@@ -178,8 +182,8 @@ static inline uint16_t f2b(float f) {
                     switch (op) {                                                      \
                     case R_SUM: case R_AVG: c = a + b; break;                          \
                     case R_PROD: c = a * b; break;                                     \
-                    case R_MIN: c = FMIN(a, b); break;                                 \
-                    default: c = FMAX(a, b); break;                                    \
+                    case R_MIN: c = MN(a, b); break;                                   \
+                    default: c = MX(a, b); break;                                      \
                     }                                                                  \
                     acc[i] = TOF(FROMF(c));                                            \
                 }                                                                      \
@@ -199,8 +203,8 @@ INT_KERNEL(k_u8, uint8_t, uint8_t, uint32_t)
 INT_KERNEL(k_i16, int16_t, uint16_t, uint32_t)
 INT_KERNEL(k_i32, int32_t, uint32_t, uint32_t)
 INT_KERNEL(k_i64, int64_t, uint64_t, uint64_t)
-HALF_KERNEL(k_f16, h2f, f2h)
-HALF_KERNEL(k_bf16, b2f, f2b)
+HALF_KERNEL(k_f16, h2f, f2h, HMIN, HMAX)
+HALF_KERNEL(k_bf16, b2f, f2b, FMIN, FMAX)
 
 typedef void (*kernel_fn)(void *, char **, int, Py_ssize_t, int, int);
 
