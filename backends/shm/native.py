@@ -13,11 +13,16 @@ where it exists). ``pg.native`` tells which path a group uses::
     >>> collectives.spawn(which, 2, backend="shm")   # doctest: +SKIP
     [True, True]
 
-The wait policy knows the machine: with a core per rank (``os.sched_getaffinity``) a
-waiter spins for 50 us and yields for 200 us before it sleeps in the kernel, since a
-futex wake-up costs tens of microseconds on a virtual machine; with more ranks than cores
-(4 ranks on 2 cores) it spins for 1 us and yields for 20 us, so the ranks that have work
-get the CPU. ``COLLECTIVES_SHM_SPIN_US`` / ``COLLECTIVES_SHM_YIELD_US`` override both.
+The wait policy knows the machine. With a core per rank (``os.sched_getaffinity``, less
+the load average already running there when the group is made) a waiter spins for 10 us
+and then polls between ``sched_yield`` calls for 500 us before it sleeps in the kernel: a
+futex wake-up costs tens of microseconds on a virtual machine, and a yield with nothing
+else to run returns at once. With more ranks than free cores (4 ranks on 2 cores, or a
+busy host) it spins for 1 us and yields for 20 us, so the ranks that have work get the
+CPU. Side by side on a 2-core host with a load average of 9
+(``python benchmarks/shm_wait_policy.py``), a 50 us spin doubled the time of a 4-byte
+all_reduce against a 1 us one, at 2 ranks and at 4.
+``COLLECTIVES_SHM_SPIN_US`` / ``COLLECTIVES_SHM_YIELD_US`` override both.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ SPIN_ENV = "COLLECTIVES_SHM_SPIN_US"
 YIELD_ENV = "COLLECTIVES_SHM_YIELD_US"
 
 #: (spin, yield) microseconds: with a core per rank, and oversubscribed.
-DEDICATED_WAIT_US = (50, 200)
+DEDICATED_WAIT_US = (10, 500)
 OVERSUBSCRIBED_WAIT_US = (1, 20)
 
 _module: Optional[ModuleType] = None
@@ -100,12 +105,22 @@ def wait_policy(size: int) -> tuple[float, float]:
     >>> spin > 0 and yld > 0
     True
     """
+    spin_us, yield_us = DEDICATED_WAIT_US if free_cores() >= size else OVERSUBSCRIBED_WAIT_US
+    return env_number(SPIN_ENV, spin_us) * 1e-6, env_number(YIELD_ENV, yield_us) * 1e-6
+
+
+def free_cores() -> float:
+    """Cores this process may run on, less the 1-minute load average (what else runs)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    spin_us, yield_us = DEDICATED_WAIT_US if cores >= size else OVERSUBSCRIBED_WAIT_US
-    return env_number(SPIN_ENV, spin_us) * 1e-6, env_number(YIELD_ENV, yield_us) * 1e-6
+    try:
+        busy = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        busy = 0.0
+    # Half a core of slack: this job's own start-up shows in the average.
+    return cores - busy + 0.5
 
 
 class NativeDoorbells:
