@@ -221,6 +221,27 @@ def _both_paths_job() -> dict:
             if not all(_same(h, halves[0]) for h in halves[1:]):
                 out["bad"].append(f"reduce_scatter {name} {op.name} n={x.size}")
     out["digest"] = [results[0].tobytes().hex()[:32]]
+    # Point to point between every pair of paths: tags out of order (a message set
+    # aside as unexpected), one larger than the ring (streamed by the Python engine),
+    # and the reply, whose receive is usually posted before the message comes.
+    for g in (pg, python, mixed):
+        msgs = {1: np.arange(3, dtype=np.float32), 2: np.arange(5000, dtype=np.int64),
+                3: np.arange(300_000, dtype=np.float64)}
+        if me == 0:
+            for tag in (1, 2, 3):
+                g.send(msgs[tag], 1, tag=tag)
+            back = np.empty(7, np.int16)
+            g.recv(back, 1, tag=9)
+            ok = np.array_equal(back, np.arange(7, dtype=np.int16) * 3)
+        else:
+            got = {tag: np.empty_like(m) for tag, m in msgs.items()}
+            for tag in (2, 3, 1):
+                g.recv(got[tag], 0, tag=tag)
+            time.sleep(0.05)
+            g.send(np.arange(7, dtype=np.int16) * 3, 0, tag=9)
+            ok = all(np.array_equal(got[t], msgs[t]) for t in msgs)
+        if not ok:
+            out["bad"].append(f"point to point on the group with native={g.native}")
     # A thread of this rank runs while the core waits (the peer comes 0.3 s late) and
     # while it moves a large message: the GIL is released in both.
     counts = []
@@ -251,7 +272,7 @@ def _both_paths_job() -> dict:
 
 
 @needs_core
-def test_native_python_and_mixed_groups_agree_bitwise():
+def test_native_python_and_mixed_groups_agree_bitwise_and_talk():
     results = collectives.spawn(_both_paths_job, 2, backend="shm", timeout=60,
                                 env={"COLLECTIVES_SHM_CHUNK_BYTES": "65536"})
     assert results[0]["native"] == [True, False, True]

@@ -588,6 +588,163 @@ static PyObject *G_small_reduce(Group *g, PyObject *const *args, Py_ssize_t narg
     return PyLong_FromLong(status);
 }
 
+/* --------------------------------------------------------------- point to point */
+/* The ring src -> dst of channels.py: R bytes at `ring`, head (bytes ever written, by
+ * the sender) and tail (bytes ever consumed, by the receiver) in their own words. A
+ * message is a 32-byte header (tag u64, nbytes u64, dtype u32, magic u32, 8 pad) and
+ * its payload. These two calls move one whole message when it fits (send) or when it is
+ * complete and matches (recv), and otherwise leave everything to the Python engine. */
+static inline au64 *at_u64(Group *g, Py_ssize_t off) {
+    return (au64 *)((char *)g->map.buf + off);
+}
+
+static void ring_write(char *ring, Py_ssize_t R, uint64_t pos, const char *src, Py_ssize_t k) {
+    Py_ssize_t at = (Py_ssize_t)(pos % (uint64_t)R), first = k < R - at ? k : R - at;
+    memcpy(ring + at, src, (size_t)first);
+    if (first < k) memcpy(ring, src + first, (size_t)(k - first));
+}
+
+static void ring_read(const char *ring, Py_ssize_t R, uint64_t pos, char *dst, Py_ssize_t k) {
+    Py_ssize_t at = (Py_ssize_t)(pos % (uint64_t)R), first = k < R - at ? k : R - at;
+    memcpy(dst, ring + at, (size_t)first);
+    if (first < k) memcpy(dst + first, ring, (size_t)(k - first));
+}
+
+static int p2p_offsets(Group *g, Py_ssize_t ring_off, Py_ssize_t R, Py_ssize_t head_off,
+                       Py_ssize_t tail_off) {
+    if (ring_off < 0 || R < 64 || ring_off + R > g->map.len || head_off < 0 || tail_off < 0
+        || head_off + 8 > g->map.len || tail_off + 8 > g->map.len) {
+        PyErr_SetString(PyExc_ValueError, "shm native p2p: ring or counters beyond the mapping");
+        return -1;
+    }
+    return 0;
+}
+
+/* ring_put(ring_off, R, head, head_off, tail_off, tag, dtype, magic, payload) -> the new
+ * head, or -1 if header and payload do not fit the free space now. */
+static PyObject *G_ring_put(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t ring_off, R, head_off, tail_off;
+    uint64_t head, tag, code, magic;
+    Py_buffer p;
+    NARGS("ring_put", 9);
+    if ((ring_off = PyLong_AsSsize_t(args[0])) == -1 && PyErr_Occurred()) return NULL;
+    if ((R = PyLong_AsSsize_t(args[1])) == -1 && PyErr_Occurred()) return NULL;
+    if (arg_u64(args[2], &head) < 0) return NULL;
+    if ((head_off = PyLong_AsSsize_t(args[3])) == -1 && PyErr_Occurred()) return NULL;
+    if ((tail_off = PyLong_AsSsize_t(args[4])) == -1 && PyErr_Occurred()) return NULL;
+    if (arg_u64(args[5], &tag) < 0 || arg_u64(args[6], &code) < 0 || arg_u64(args[7], &magic) < 0)
+        return NULL;
+    if (p2p_offsets(g, ring_off, R, head_off, tail_off) < 0) return NULL;
+    if (get_array(args[8], &p, 0, "ring_put") < 0) return NULL;
+    uint64_t tail = atomic_load_explicit(at_u64(g, tail_off), memory_order_acquire);
+    Py_ssize_t need = 32 + p.len;
+    if ((uint64_t)need > (uint64_t)R - (head - tail)) {
+        PyBuffer_Release(&p);
+        return PyLong_FromLong(-1);
+    }
+    char header[32] = {0};
+    uint64_t nbytes = (uint64_t)p.len;
+    uint32_t code32 = (uint32_t)code, magic32 = (uint32_t)magic;
+    memcpy(header, &tag, 8);
+    memcpy(header + 8, &nbytes, 8);
+    memcpy(header + 16, &code32, 4);
+    memcpy(header + 20, &magic32, 4);
+    char *ring = (char *)g->map.buf + ring_off;
+    ring_write(ring, R, head, header, 32);
+    if (p.len > 65536) {
+        Py_BEGIN_ALLOW_THREADS
+        ring_write(ring, R, head + 32, p.buf, p.len);
+        Py_END_ALLOW_THREADS
+    } else {
+        ring_write(ring, R, head + 32, p.buf, p.len);
+    }
+    PyBuffer_Release(&p);
+    head += (uint64_t)need;
+    atomic_store_explicit(at_u64(g, head_off), head, memory_order_release);
+    return PyLong_FromUnsignedLongLong(head);
+}
+
+/* ring_take(ring_off, R, tail, head_off, tail_off, tag, magic, out) -> the new tail if
+ * the next message is complete, has `tag` and exactly len(out) bytes (copied into out);
+ * -1 otherwise (nothing there yet, another tag, another size, a bad header: the Python
+ * engine decides). */
+static PyObject *G_ring_take(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t ring_off, R, head_off, tail_off;
+    uint64_t tail, tag, magic;
+    Py_buffer out;
+    NARGS("ring_take", 8);
+    if ((ring_off = PyLong_AsSsize_t(args[0])) == -1 && PyErr_Occurred()) return NULL;
+    if ((R = PyLong_AsSsize_t(args[1])) == -1 && PyErr_Occurred()) return NULL;
+    if (arg_u64(args[2], &tail) < 0) return NULL;
+    if ((head_off = PyLong_AsSsize_t(args[3])) == -1 && PyErr_Occurred()) return NULL;
+    if ((tail_off = PyLong_AsSsize_t(args[4])) == -1 && PyErr_Occurred()) return NULL;
+    if (arg_u64(args[5], &tag) < 0 || arg_u64(args[6], &magic) < 0) return NULL;
+    if (p2p_offsets(g, ring_off, R, head_off, tail_off) < 0) return NULL;
+    uint64_t head = atomic_load_explicit(at_u64(g, head_off), memory_order_acquire);
+    if (head - tail < 32) return PyLong_FromLong(-1);
+    const char *ring = (const char *)g->map.buf + ring_off;
+    char header[32];
+    uint64_t mtag, nbytes;
+    uint32_t magic32;
+    ring_read(ring, R, tail, header, 32);
+    memcpy(&mtag, header, 8);
+    memcpy(&nbytes, header + 8, 8);
+    memcpy(&magic32, header + 20, 4);
+    if (magic32 != (uint32_t)magic || mtag != tag || head - tail < 32 + nbytes)
+        return PyLong_FromLong(-1);
+    if (get_array(args[7], &out, 1, "ring_take") < 0) return NULL;
+    if ((uint64_t)out.len != nbytes) {
+        PyBuffer_Release(&out);
+        return PyLong_FromLong(-1);
+    }
+    if (out.len > 65536) {
+        Py_BEGIN_ALLOW_THREADS
+        ring_read(ring, R, tail + 32, out.buf, out.len);
+        Py_END_ALLOW_THREADS
+    } else {
+        ring_read(ring, R, tail + 32, out.buf, out.len);
+    }
+    PyBuffer_Release(&out);
+    tail += 32 + nbytes;
+    atomic_store_explicit(at_u64(g, tail_off), tail, memory_order_release);
+    return PyLong_FromUnsignedLongLong(tail);
+}
+
+/* wait_change(word_off, old, budget) -> DONE once the u64 at word_off differs from old,
+ * BUDGET after `budget` seconds: spin, yield, then sleep on this rank's doorbell (which
+ * whoever changes the word rings), the GIL released. */
+static PyObject *G_wait_change(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t off;
+    uint64_t old;
+    double budget;
+    NARGS("wait_change", 3);
+    if ((off = PyLong_AsSsize_t(args[0])) == -1 && PyErr_Occurred()) return NULL;
+    if (arg_u64(args[1], &old) < 0 || arg_double(args[2], &budget) < 0) return NULL;
+    if (off < 0 || off + 8 > g->map.len) return PyErr_Format(PyExc_ValueError, "bad offset");
+    au64 *w = at_u64(g, off);
+    if (atomic_load_explicit(w, memory_order_acquire) != old) return PyLong_FromLong(DONE);
+    int status = BUDGET;
+    Py_BEGIN_ALLOW_THREADS
+    double start = now_s(), spin_end = start + g->spin_s;
+    double yield_end = spin_end + g->yield_s, end = start + budget;
+    for (;;) {
+        uint32_t expected = atomic_load_explicit(bell(g, g->rank), memory_order_acquire);
+        if (atomic_load_explicit(w, memory_order_acquire) != old) { status = DONE; break; }
+        double t = now_s();
+        if (t >= end) break;
+        if (t < spin_end) {
+            for (int i = 0; i < 16; i++) cpu_relax();
+        } else if (t < yield_end) {
+            sched_yield();
+        } else {
+            double left = end - t;
+            doze(g, expected, left < g->slice_s ? left : g->slice_s);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(status);
+}
+
 static PyMethodDef Group_methods[] = {
     {"bell", (PyCFunction)G_bell, METH_NOARGS, "This rank's doorbell value."},
     {"sleepers", (PyCFunction)G_sleepers, METH_NOARGS, "Threads of this rank asleep."},
@@ -603,6 +760,14 @@ static PyMethodDef Group_methods[] = {
     {"small_reduce", (PyCFunction)(void (*)(void))G_small_reduce, METH_FASTCALL,
      "small_reduce(a, q, fp0, fp1, dtype, op, result, budget, published) -> status as "
      "exchange."},
+    {"ring_put", (PyCFunction)(void (*)(void))G_ring_put, METH_FASTCALL,
+     "ring_put(ring_off, R, head, head_off, tail_off, tag, dtype, magic, payload) -> new "
+     "head, or -1 where the message does not fit now."},
+    {"ring_take", (PyCFunction)(void (*)(void))G_ring_take, METH_FASTCALL,
+     "ring_take(ring_off, R, tail, head_off, tail_off, tag, magic, out) -> new tail, or -1 "
+     "unless a complete message of that tag and size is next."},
+    {"wait_change", (PyCFunction)(void (*)(void))G_wait_change, METH_FASTCALL,
+     "wait_change(word_off, old, budget) -> 1 once the word changed, 0 after budget s."},
     {NULL, NULL, 0, NULL},
 };
 

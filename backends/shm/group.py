@@ -73,7 +73,10 @@ class _P2PWork(Work):
         self._group, self._op, self._what, self._peer = group, op, what, peer
 
     def wait(self, timeout: Optional[float] = None) -> None:
-        self._group._p2p_wait(self._op, timeout, self._what, self._peer)
+        op = self._op
+        if op.done and op.error is None:  # (the core often completes it when posted)
+            return
+        self._group._p2p_wait(op, timeout, self._what, self._peer)
 
     def is_completed(self) -> bool:
         op = self._op
@@ -140,7 +143,8 @@ class ShmGroup(NativePaths, ReduceOps, CollectiveOps, ProcessGroup):
                                 rank, wait_mode())
         self._seg, self._layout = seg, lay
         self._use_native()  # the compiled core, its doorbells and the wait policy
-        self._engine = Engine(seg, rank, size, self._bells.ring, self._where, dtype_name)
+        self._engine = Engine(seg, rank, size, self._bells.ring, self._where, dtype_name,
+                              core=self._native)
         self._phase = int(seg.u64[self._me_arrived])
         self._S = lay.chunk
         self._slots = [[seg.bytes[lay.slot_off(b, r):lay.slot_off(b, r) + lay.chunk]

@@ -13,15 +13,16 @@ where it exists). ``pg.native`` tells which path a group uses::
     >>> collectives.spawn(which, 2, backend="shm")   # doctest: +SKIP
     [True, True]
 
-The wait policy knows the machine. With a core per rank (``os.sched_getaffinity``, less
-the load average already running there when the group is made) a waiter spins for 10 us
-and then polls between ``sched_yield`` calls for 500 us before it sleeps in the kernel: a
-futex wake-up costs tens of microseconds on a virtual machine, and a yield with nothing
-else to run returns at once. With more ranks than free cores (4 ranks on 2 cores, or a
-busy host) it spins for 1 us and yields for 20 us, so the ranks that have work get the
-CPU. Side by side on a 2-core host with a load average of 9
-(``python benchmarks/shm_wait_policy.py``), a 50 us spin doubled the time of a 4-byte
-all_reduce against a 1 us one, at 2 ranks and at 4.
+The wait policy knows the machine. A waiter spins (pure polling) only briefly, then polls
+between ``sched_yield`` calls, and only then sleeps in the kernel: a futex wake-up costs
+tens of microseconds on a virtual machine, while a yield with nothing else to run
+returns at once and one with other work gives the core away. With a core per rank
+(``os.sched_getaffinity``, less the load average already running when the group is
+made) it spins for 5 us and yields for 1 ms; with more ranks than free cores (4 ranks on
+2 cores, or a busy host) it spins for 1 us and yields for 500 us. Side by side on a
+2-core host with a load average of 7.5 (``python benchmarks/shm_wait_policy.py``): a
+50 us spin took 2.5x the time of a 1 us one per 4-byte all_reduce at 2 and at 4 ranks,
+while the length of the yield phase (20 us to 5 ms) changed it by under 15%.
 ``COLLECTIVES_SHM_SPIN_US`` / ``COLLECTIVES_SHM_YIELD_US`` override both.
 """
 
@@ -40,8 +41,8 @@ SPIN_ENV = "COLLECTIVES_SHM_SPIN_US"
 YIELD_ENV = "COLLECTIVES_SHM_YIELD_US"
 
 #: (spin, yield) microseconds: with a core per rank, and oversubscribed.
-DEDICATED_WAIT_US = (10, 500)
-OVERSUBSCRIBED_WAIT_US = (1, 20)
+DEDICATED_WAIT_US = (5, 1000)
+OVERSUBSCRIBED_WAIT_US = (1, 500)
 
 _module: Optional[ModuleType] = None
 _load_error: Optional[str] = None

@@ -15,12 +15,15 @@ or at once when a missing peer failed or closed, and Python raises what it raise
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import numpy as np
 
-from collectives.errors import CollectiveTimeout
+from collectives.errors import CollectiveError, CollectiveTimeout
 from collectives.reduce_op import ReduceOp
 
+from . import segment as sg
+from .channels import RecvOp
 from .native import NativeDoorbells, native_module, wait_policy
 from .ops import _DTYPE_CODE, _REDOP_BY_ID
 
@@ -59,6 +62,7 @@ class NativePaths:
         self._DONE, self._MISMATCH = mod.DONE, mod.MISMATCH
         self._exchange = self._exchange_native
         self._small_reduce = self._small_reduce_native
+        self._p2p_wait = self._p2p_wait_native
         self._native_combine = mod.combine
 
     # ---------------------------------------------------------------- waiting
@@ -108,6 +112,50 @@ class NativePaths:
                         missing=missing)
             status = again(max(0.0, min(_LIVENESS_EVERY, deadline - now)))
         return status
+
+    def _p2p_wait_native(self, op, timeout: Optional[float], what: str, peer: int) -> None:
+        """``ShmGroup._p2p_wait`` for the common case of one receive in flight: sleep in
+        C until the ring from ``peer`` moves, instead of polling from Python. Anything
+        else (a send waiting for room, several operations in flight) takes the Python
+        wait, which moves every pending operation of this rank."""
+        engine = self._engine
+        if op.done or peer == self.rank or not isinstance(op, RecvOp) or engine.pending != 1:
+            return type(self)._p2p_wait(self, op, timeout, what, peer)
+        core, u64 = self._native, self._u64
+        head_idx = engine._in_head[peer]
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        last_pid_check = time.monotonic()
+        while True:
+            head = u64[head_idx]
+            with engine.lock:
+                if not op.done and not engine.closed and not engine.take_posted_locked(op):
+                    if not engine.progress_locked(drain=False) and not op.done:
+                        engine.progress_locked(drain=True)
+            if op.done:
+                break
+            if engine.closed:
+                raise CollectiveError(f"{self._where(what)}: the group was closed")
+            if engine.pending != 1:      # another thread posted meanwhile
+                return type(self)._p2p_wait(self, op, timeout, what, peer)
+            now = time.monotonic()
+            if core.wait_change(8 * head_idx, head,
+                                max(0.0, min(_LIVENESS_EVERY, deadline - now))) == self._DONE:
+                continue
+            now = time.monotonic()
+            check_pid = now - last_pid_check >= _LIVENESS_EVERY
+            if check_pid:
+                last_pid_check = now
+            self._check_peer(peer, what, -1, fatal_states=(sg.STATE_CLOSED,),
+                             check_pid=check_pid, done=lambda: self._progress_once(op))
+            if op.done:
+                break
+            if now >= deadline:
+                raise CollectiveTimeout(
+                    f"{self._where(what)}: timed out after {limit:g} s; rank {peer} did "
+                    f"not send it", op=what, missing=[peer])
+        if op.error is not None:
+            raise op.error
 
     # ----------------------------------------------------------------- reduce
     def _small_reduce_native(self, a: np.ndarray, op: ReduceOp, seq: int, dst: int,
