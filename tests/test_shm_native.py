@@ -171,14 +171,13 @@ def test_the_wait_policy_follows_the_cores(monkeypatch):
     monkeypatch.delenv(native.SPIN_ENV, raising=False)
     monkeypatch.delenv(native.YIELD_ENV, raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.3, 0.2, 0.1))
     dedicated = tuple(x * 1e-6 for x in native.DEDICATED_WAIT_US)
     over = tuple(x * 1e-6 for x in native.OVERSUBSCRIBED_WAIT_US)
     assert native.wait_policy(2) == dedicated
     assert native.wait_policy(4) == over
     assert over[0] < dedicated[0] and over[1] < dedicated[1]
-    monkeypatch.setattr(os, "getloadavg", lambda: (3.0, 2.0, 1.0))   # a busy host
-    assert native.wait_policy(2) == over
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert native.wait_policy(4) == dedicated
     monkeypatch.setenv(native.SPIN_ENV, "7")
     monkeypatch.setenv(native.YIELD_ENV, "9")
     assert native.wait_policy(4) == (7e-6, 9e-6)

@@ -13,17 +13,14 @@ where it exists). ``pg.native`` tells which path a group uses::
     >>> collectives.spawn(which, 2, backend="shm")   # doctest: +SKIP
     [True, True]
 
-The wait policy knows the machine. A waiter spins (pure polling) only briefly, then polls
-between ``sched_yield`` calls, and only then sleeps in the kernel: a futex wake-up costs
-tens of microseconds on a virtual machine, while a yield with nothing else to run
-returns at once and one with other work gives the core away. With a core per rank
-(``os.sched_getaffinity``, less the load average already running when the group is
-made) it spins for 5 us and yields for 1 ms; with more ranks than free cores (4 ranks on
-2 cores, or a busy host) it spins for 1 us and yields for 500 us. Side by side on a
-2-core host with a load average of 7.5 (``python benchmarks/shm_wait_policy.py``): a
-50 us spin took 2.5x the time of a 1 us one per 4-byte all_reduce at 2 and at 4 ranks,
-while the length of the yield phase (20 us to 5 ms) changed it by under 15%.
-``COLLECTIVES_SHM_SPIN_US`` / ``COLLECTIVES_SHM_YIELD_US`` override both.
+The wait policy knows the machine, as MPICH's does: with a core per rank
+(``os.sched_getaffinity`` holds at least as many cores as the group has ranks) a waiter
+spins for 50 us and then polls between ``sched_yield`` calls for 1 ms before it sleeps in
+the kernel, since a futex wake-up costs tens of microseconds on a virtual machine and a
+yield with nothing else to run returns at once; with more ranks than cores (4 ranks on
+2 cores) it spins for 1 us and yields for 50 us, so the ranks that have work get the
+CPU. ``COLLECTIVES_SHM_SPIN_US`` / ``COLLECTIVES_SHM_YIELD_US`` override both;
+``python benchmarks/shm_wait_policy.py [--nproc N]`` times several side by side.
 """
 
 from __future__ import annotations
@@ -41,8 +38,8 @@ SPIN_ENV = "COLLECTIVES_SHM_SPIN_US"
 YIELD_ENV = "COLLECTIVES_SHM_YIELD_US"
 
 #: (spin, yield) microseconds: with a core per rank, and oversubscribed.
-DEDICATED_WAIT_US = (5, 1000)
-OVERSUBSCRIBED_WAIT_US = (1, 500)
+DEDICATED_WAIT_US = (50, 1000)
+OVERSUBSCRIBED_WAIT_US = (1, 50)
 
 _module: Optional[ModuleType] = None
 _load_error: Optional[str] = None
@@ -106,22 +103,16 @@ def wait_policy(size: int) -> tuple[float, float]:
     >>> spin > 0 and yld > 0
     True
     """
-    spin_us, yield_us = DEDICATED_WAIT_US if free_cores() >= size else OVERSUBSCRIBED_WAIT_US
+    spin_us, yield_us = DEDICATED_WAIT_US if host_cores() >= size else OVERSUBSCRIBED_WAIT_US
     return env_number(SPIN_ENV, spin_us) * 1e-6, env_number(YIELD_ENV, yield_us) * 1e-6
 
 
-def free_cores() -> float:
-    """Cores this process may run on, less the 1-minute load average (what else runs)."""
+def host_cores() -> int:
+    """Cores this process may run on."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    try:
-        busy = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        busy = 0.0
-    # Half a core of slack: this job's own start-up shows in the average.
-    return cores - busy + 0.5
+        return os.cpu_count() or 1
 
 
 class NativeDoorbells:
