@@ -62,8 +62,9 @@ def main() -> None:
     ap.add_argument("--sizes", default=DEFAULT_SIZES, help="bytes, K/M suffixes")
     ap.add_argument("--iters", type=int, default=300)
     args = ap.parse_args()
-    out = collectives.spawn(_job, args.nproc, args=([parse_size(s) for s in args.sizes.split(",")], args.iters),
-                            backend="shm", timeout=300)[0]
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    out = collectives.spawn(_job, args.nproc, args=(sizes, args.iters), backend="shm",
+                            timeout=300)[0]
     native, rows = out[0], out[1:]
     print(f"# shm all_reduce, float32, {args.nproc} ranks, world on the core: {native}; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")

@@ -1,7 +1,8 @@
 """``ShmGroup``: a ProcessGroup whose ranks are processes of one host sharing a segment.
 
 Waiting never burns a core for long: a few microseconds of spinning, ``sched_yield`` for
-up to 100 us, then sleep in the kernel on this rank's doorbell (``futex.Doorbells``), in
+up to a millisecond (``native.wait_policy``: longer with a core per rank, shorter when
+oversubscribed), then sleep in the kernel on this rank's doorbell (``futex.Doorbells``), in
 slices of at most 200 ms so that the deadline and the peers' liveness (pid alive and not a
 zombie; their state word: failed or closed) are checked. The yield phase pays for itself
 because a futex wake-up costs tens of microseconds on virtual machines: two ranks that
@@ -141,7 +142,6 @@ class ShmGroup(NativePaths, ReduceOps, CollectiveOps, ProcessGroup):
                                 [lay.bell_byte(r) for r in range(size)],
                                 [lay.ctrl_word(r, sg.W_SLEEPERS) for r in range(size)],
                                 rank, wait_mode())
-        self._seg, self._layout = seg, lay
         self._use_native()  # the compiled core, its doorbells and the wait policy
         self._engine = Engine(seg, rank, size, self._bells.ring, self._where, dtype_name,
                               core=self._native)

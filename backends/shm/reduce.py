@@ -136,7 +136,8 @@ class ReduceOps:
         n, me, dt = self.size, self.rank, a.dtype
         self._start(opcode, seq, dt, a.nbytes, dst, op)
         kernel = _KERNEL_BY_ID[id(op)]
-        combine, code, redop = self._native_combine, _DTYPE_CODE.get(dt, 0), _REDOP_BY_ID[id(op)]
+        combine = self._native_combine   # the compiled core's reduction, or None
+        code, redop = _DTYPE_CODE.get(dt, 0), _REDOP_BY_ID[id(op)]
         gets_result = dst < 0 or dst == me
         P, C = self._piece_layout(a.itemsize)
         align = max(1, _ALIGN // a.itemsize)
