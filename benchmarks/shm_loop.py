@@ -26,11 +26,14 @@ def _job(nbytes: int, seconds: float) -> int:
     a = np.ones(max(1, nbytes // 4), np.float32)
     end = time.time() + seconds
     calls = 0
-    while time.time() < end:
+    stop = np.zeros(1, np.int32)
+    while not stop[0]:
         for _ in range(100):
             pg.all_reduce(a)
         calls += 100
         a[...] = 1.0
+        stop[0] = time.time() >= end     # every rank stops after the same call
+        pg.all_reduce(stop, op=collectives.ReduceOp.MAX)
     pg.close()
     return calls
 
