@@ -1,33 +1,34 @@
-"""Data x tensor parallelism on one device mesh: a small transformer classifier of MNIST,
-its blocks split over ``tp`` (parallel.tp), each tp replica sharded by FSDP (or DDP) over
-``dp``.
+"""Data x pipeline x tensor parallelism on one device mesh: a small transformer classifier
+of MNIST, cut into ``pp`` pipeline stages (parallel.pp), each stage's blocks split over
+``tp`` (parallel.tp), each (pp, tp) replica sharded by FSDP (or DDP) across ``dp``.
 
-    python examples/mesh.py --dp 2 --tp 2                    # 4 ranks, shared memory
-    python examples/mesh.py --dp 2 --tp 2 --fsdp             # FSDP (ZeRO-3) across dp
-    mpirun -n 4 python examples/mesh.py --dp 2 --tp 2        # backend mpi
-    python examples/mesh.py --dp 2 --tp 2 --trace mesh.json  # then open it in ui.perfetto.dev
+    python examples/mesh.py --dp 2 --tp 2 --pp 2               # 8 ranks, shared memory
+    python examples/mesh.py --dp 2 --tp 2 --pp 2 --fsdp        # FSDP (ZeRO-3) across dp
+    python examples/mesh.py --dp 2 --tp 2                      # 4 ranks, no pipeline
+    mpirun -n 8 python examples/mesh.py --dp 2 --tp 2 --pp 2   # backend mpi
+    python examples/mesh.py --dp 2 --tp 2 --pp 2 --trace mesh.json  # then ui.perfetto.dev
 
-The ranks form ``DeviceMesh(pg, (dp, tp), ("dp", "tp"))`` (row-major: ranks 0 and 1 are
-one tp pair, ranks 0 and 2 one dp pair). Each image is read as a sequence of its 28 rows:
-a linear embedding (28 -> hidden) plus a learned position embedding, ``--layers``
-pre-norm ``ParallelTransformerBlock``s (non-causal attention; heads and MLP features split
-over tp), a LayerNorm, the mean over the sequence and a linear head to 10 classes. The
-ranks of one tp group see the same batch; the dp groups deal the epoch out
-(ShardSampler) and average the gradients (DDP's all_reduce, or FSDP's all_gathers and
-reduce_scatters). ``--batch-size`` is the batch of one dp rank per step.
-
-``--pp`` > 1 (pipeline stages) is not available yet: the example says so and exits with
-status 2. ``--nproc`` defaults to dp*tp*pp.
+The ranks form ``DeviceMesh(pg, (dp, pp, tp), ("dp", "pp", "tp"))`` (row-major, as
+torch's ``init_device_mesh``: with 2x2x2, ranks 0 and 1 are one tp pair, 0 and 2 one
+pipeline, 0 and 4 one dp pair). The model (``examples/common/mesh_model.py``) reads each
+image as a sequence of its 28 rows: a linear and a position embedding, ``--layers``
+pre-norm ``ParallelTransformerBlock``s (non-causal; heads and MLP features split over tp),
+a LayerNorm, the mean over the rows and a linear head; stage s holds a contiguous run of
+the blocks, the embedding lives on stage 0 and the head on the last. The ranks of one
+(dp) coordinate see the same batch; the dp replicas deal the epoch out (ShardSampler)
+and average the gradients (DDP's all_reduce, or FSDP's all_gathers and reduce_scatters).
+``--batch-size`` is the batch of one dp replica per step; with ``--pp`` > 1 it is split
+into ``--microbatches`` micro-batches and run by ``--schedule`` (1f1b or gpipe); the
+gradients accumulate over the micro-batches and dp averages them once per step.
 
 At the end rank 0 prints the communication account: bytes per step on each mesh
 dimension, measured by a counter around each dimension's group, next to what the model's
-sizes predict (see :func:`predicted_bytes`), and the time per step rank 0 spent in (or
-waiting for) each dimension's collectives; then the JSON summary line.
+sizes predict (``predicted_bytes`` in ``examples/common/mesh_model.py``) and whether the
+two agree on every rank, and the time per step rank 0 spent in (or waiting for) each
+dimension's calls; then the JSON summary line.
 """
 
-import copy
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -42,171 +43,161 @@ from torch.utils.data import BatchSampler  # noqa: E402
 import collectives  # noqa: E402
 from examples.common.comm_account import CountingGroup  # noqa: E402
 from examples.common.harness import launch, parse_args, print_summary, progress  # noqa: E402
+from examples.common.mesh_model import (ROWS, predicted_bytes, row_transformer,  # noqa: E402
+                                        stage_pieces, tensor_parallel)
 from examples.common.mnist import load_mnist  # noqa: E402
 from examples.common.trace import Tracer  # noqa: E402
 from parallel import DDP, FSDP, DeviceMesh, ShardSampler  # noqa: E402
-from parallel.tp import ParallelTransformerBlock, TransformerBlock  # noqa: E402
+from parallel.pp import PipelineStage, Schedule1F1B, ScheduleGPipe  # noqa: E402
+from parallel.tp import ParallelTransformerBlock  # noqa: E402
 
-ROWS = COLS = 28
-CLASSES = 10
-
-
-class RowTransformer(nn.Module):
-    """MNIST as a sequence of 28 rows of 28 pixels -> 10 logits. ``blocks`` are
-    :class:`TransformerBlock` (dense) or :class:`ParallelTransformerBlock` (split)."""
-
-    def __init__(self, hidden: int, heads: int, ffn: int, layers: int) -> None:
-        super().__init__()
-        self.embed = nn.Linear(COLS, hidden)
-        self.pos = nn.Parameter(0.02 * torch.randn(ROWS, hidden))
-        self.blocks = nn.ModuleList(TransformerBlock(hidden, heads, ffn, causal=False)
-                                    for _ in range(layers))
-        self.norm = nn.LayerNorm(hidden)
-        self.head = nn.Linear(hidden, CLASSES)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x.reshape(-1, ROWS, COLS)) + self.pos       # (b, 28, hidden)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(self.norm(h).mean(dim=1))                 # (b, 10)
+NAMES = ("dp", "pp", "tp")
+SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+EVAL_CHUNK = 250      # test images per pipelined forward in evaluation
 
 
-def dense_model(args) -> RowTransformer:
+def dense_model(args) -> nn.Sequential:
     """The single-process model, initialised from ``args.seed`` (global random state kept)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(args.seed)
-        return RowTransformer(args.hidden, args.heads, args.ffn, args.layers)
-
-
-def tp_model(dense: RowTransformer, tp_group) -> RowTransformer:
-    """A copy of ``dense`` with every block split over ``tp_group`` (the rest replicated)."""
-    model = copy.deepcopy(dense)
-    model.blocks = nn.ModuleList(ParallelTransformerBlock.from_dense(b, tp_group)
-                                 for b in dense.blocks)
-    return model
-
-
-# ------------------------------------------------------------------ the account
-def local_param_counts(args, tp: int) -> dict:
-    """Elements of one rank's parameters, from the sizes: ``{"block": per block, "rest":
-    everything outside the blocks}`` (each tp rank holds 1/tp of q, k, v, fc1 and the
-    input columns of proj, fc2; LayerNorms and the row layers' biases whole)."""
-    h, f = args.hidden, args.ffn
-    block = (2 * 2 * h                                  # ln1, ln2
-             + 3 * (h * h // tp + h // tp)              # q, k, v: column-parallel
-             + h * h // tp + h                          # proj: row-parallel, whole bias
-             + f * h // tp + f // tp                    # fc1: column-parallel
-             + h * f // tp + h)                         # fc2: row-parallel, whole bias
-    rest = (COLS * h + h) + ROWS * h + 2 * h + (h * CLASSES + CLASSES)  # embed pos norm head
-    # Parameter tensors: a block's ln1, ln2, q, k, v, proj, fc1, fc2 (weight and bias each);
-    # outside: embed (2), pos (1), norm (2), head (2).
-    return {"block": block, "rest": rest, "block_tensors": 16, "rest_tensors": 7}
-
-
-def predicted_bytes(args, dp: int, tp: int, fsdp: bool) -> dict:
-    """Bytes per training step on each mesh dimension (float32; a group of one rank: 0).
-
-    - tp: each block all-reduces its (batch, 28, hidden) activations twice in forward (after
-      proj and fc2) and their gradients twice in backward (before q/k/v and fc1).
-    - dp with DDP: one all_reduce of every local gradient, plus one float per parameter
-      tensor (each bucket's "gradient ready" flags travel with it; parallel/bucket.py).
-    - dp with FSDP (ZeRO-3, each block a unit, the rest the root unit; a unit's flat
-      parameter padded to a multiple of dp): the root gathered once, each block twice
-      (forward, and again in backward after resharding), every unit reduce-scattered once.
-    """
-    counts, f32 = local_param_counts(args, tp), 4
-    out = {"tp": 0, "dp": 0}
-    if tp > 1:
-        out["tp"] = 4 * args.layers * args.batch_size * ROWS * args.hidden * f32
-    if dp > 1:
-        if not fsdp:
-            grads = counts["rest"] + args.layers * counts["block"]
-            flags = counts["rest_tensors"] + args.layers * counts["block_tensors"]
-            out["dp"] = (grads + flags) * f32
-        else:
-            padded = lambda n: math.ceil(n / dp) * dp  # noqa: E731
-            root, block = padded(counts["rest"]), padded(counts["block"])
-            gathered = root + 2 * args.layers * block
-            reduced = root + args.layers * block
-            out["dp"] = (gathered + reduced) * f32
-    return out
+        return row_transformer(args.hidden, args.heads, args.ffn, args.layers)
 
 
 def account_table(measured: dict, predicted: dict, mesh: DeviceMesh) -> str:
     lines = [f"{'dim':<4} {'size':>4} {'calls/step':>10} {'measured B/step':>16} "
              f"{'predicted B/step':>17} {'ms/step':>8}"]
-    for name in ("dp", "tp"):
+    for name in NAMES:
         m = measured[name]
-        lines.append(f"{name:<4} {mesh.size(name):>4} {m['calls']:>10g} {m['bytes']:>16.0f} "
-                     f"{predicted[name]:>17} {m['ms']:>8.2f}")
+        lines.append(f"{name:<4} {mesh.size(name):>4} {m['calls']:>10g} {m['bytes']:>16.1f} "
+                     f"{predicted[name]:>17.1f} {m['ms']:>8.2f}")
     return "\n".join(lines)
 
 
 # ------------------------------------------------------------------ training
-def train_on_mesh(pg, args, dense: RowTransformer, tracer: Tracer = None) -> dict:
-    """Train a copy of ``dense`` on the (dp, tp) mesh over ``pg``; returns the epochs' mean
-    losses (over the whole dp group), this rank's loss of each step (of its dp shard of the
-    batch), the steps, the measured and the predicted bytes per step on each dimension, the
-    mesh and the model."""
+class _Replica:
+    """This rank's part of the model and how one training step runs it: the stage's pieces
+    (blocks split over tp), wrapped in DDP or FSDP over dp, driven by a pipeline schedule
+    when there is more than one stage."""
+
+    def __init__(self, args, dense: nn.Sequential, mesh: DeviceMesh, groups: dict) -> None:
+        self.stage, self.num_stages = mesh.local_rank("pp"), args.pp
+        self.first, self.last = self.stage == 0, self.stage == args.pp - 1
+        self.hidden = args.hidden
+        split = tensor_parallel(dense, groups["tp"])
+        pieces = nn.Sequential(*(split[i] for i in stage_pieces(args.layers, args.pp,
+                                                                self.stage)))
+        if args.fsdp:
+            self.module = FSDP(pieces, groups["dp"], wrap=ParallelTransformerBlock)
+        else:
+            self.module = DDP(pieces, groups["dp"])
+        self.schedule = None
+        if args.pp > 1:
+            stage = PipelineStage(self.module, groups["pp"], self.stage, args.pp)
+            self.schedule = SCHEDULES[args.schedule](stage, args.microbatches,
+                                                      F.cross_entropy)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, opt, tracer: Tracer, step_no: int):
+        """One training step; returns the batch's mean loss on the last stage, else None."""
+        if self.schedule is None:
+            with tracer.span("forward"):
+                loss = F.cross_entropy(self.module(x), y)
+            opt.zero_grad()
+            with tracer.span("backward"):
+                loss.backward()
+        else:
+            opt.zero_grad()
+            with tracer.span("pipeline"):
+                losses = self.schedule.step(x if self.first else None,
+                                            target=y if self.last else None)
+            for action, t0, t1 in self.schedule.timeline:
+                tracer.add_slice(str(action), t0, t1, cat="pp", step=step_no)
+            loss = torch.stack(losses).mean() if self.last else None
+        with tracer.span("step"):
+            opt.step()
+        return None if loss is None else loss.item()
+
+    @torch.no_grad()
+    def logits(self, x: torch.Tensor, pp_group) -> torch.Tensor:
+        """The model's output for ``x`` on the last stage's ranks (None elsewhere): stage by
+        stage, each sending its output to the next over ``pp_group``."""
+        h = x
+        if not self.first:
+            h = torch.empty(len(x), ROWS, self.hidden)
+            pp_group.recv(h, src=self.stage - 1, tag=7)
+        h = self.module(h)
+        if not self.last:
+            pp_group.send(h.contiguous(), dst=self.stage + 1, tag=7)
+            return None
+        return h
+
+
+def train_on_mesh(pg, args, dense: nn.Sequential, tracer: Tracer = None) -> dict:
+    """Train a copy of ``dense`` on the (dp, pp, tp) mesh over ``pg``. Returns the epochs'
+    mean losses (over every replica), this rank's loss of each step (the mean over its dp
+    shard of the batch; on the last stage's ranks only, else empty), the steps, the measured
+    and the predicted bytes per step on each dimension, the mesh and the replica."""
     tracer = tracer or Tracer(pg.rank, enabled=False)
-    mesh = DeviceMesh(pg, (args.dp, args.tp), ("dp", "tp"))
-    counted = {name: CountingGroup(tracer.wrap(mesh[name], name)) for name in mesh.names}
-    model = tp_model(dense, counted["tp"])
-    if args.fsdp:
-        model = FSDP(model, counted["dp"], wrap=ParallelTransformerBlock)
-    else:
-        model = DDP(model, counted["dp"])
+    mesh = DeviceMesh(pg, (args.dp, args.pp, args.tp), NAMES)
+    counted = {name: CountingGroup(tracer.wrap(mesh[name], name)) for name in NAMES}
+    replica = _Replica(args, dense, mesh, counted)
 
     x_train, y_train = map(torch.from_numpy, load_mnist(args.data_dir, "train"))
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    opt = torch.optim.SGD(replica.module.parameters(), lr=args.lr, momentum=0.9)
     sampler = ShardSampler(len(x_train), mesh.local_rank("dp"), args.dp, seed=args.seed)
+    # The epoch's mean loss, from the ranks that compute it once per replica.
+    reports_loss = replica.last and mesh.local_rank("tp") == 0
     for group in counted.values():
         group.start()                  # the account: training steps only, no set-up
     losses, step_losses = [], []
+    steps = 0
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         loss_sum, samples = 0.0, 0
         # Whole batches only: every step moves the same bytes (the account is per step).
         batches = BatchSampler(sampler, args.batch_size, drop_last=True)
         for idx in progress(batches, pg.rank, desc=f"epoch {epoch + 1}/{args.epochs}"):
-            with tracer.span("forward"):
-                loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
-            opt.zero_grad()
-            with tracer.span("backward"):
-                loss.backward()
-            with tracer.span("step"):
-                opt.step()
-            step_losses.append(loss.item())
-            loss_sum += loss.item() * len(idx)
-            samples += len(idx)
-            if args.max_steps and len(step_losses) >= args.max_steps:
+            loss = replica.step(x_train[idx], y_train[idx], opt, tracer, steps)
+            steps += 1
+            if loss is not None:
+                step_losses.append(loss)
+                loss_sum += loss * len(idx)
+                samples += len(idx)
+            if args.max_steps and steps >= args.max_steps:
                 break
-        # The epoch's mean over every dp rank's samples (on the bare group: not counted).
-        seen = torch.tensor([loss_sum, float(samples)], dtype=torch.float64)
-        mesh["dp"].all_reduce(seen)
+        # On the bare world group: not counted.
+        seen = torch.tensor([loss_sum, float(samples)] if reports_loss else [0.0, 0.0],
+                            dtype=torch.float64)
+        pg.all_reduce(seen)
         losses.append(seen[0].item() / seen[1].item())
         if pg.rank == 0:
             print(f"epoch {epoch + 1}/{args.epochs} loss {losses[-1]:.6f}", file=sys.stderr,
                   flush=True)
-        if args.max_steps and len(step_losses) >= args.max_steps:
+        if args.max_steps and steps >= args.max_steps:
             break
-    steps = len(step_losses)
     for group in counted.values():
         group.counting = False
     measured = {name: {"bytes": g.bytes / steps, "calls": g.calls / steps,
                        "ms": round(1e3 * g.seconds / steps, 3)}
                 for name, g in counted.items()}
+    coordinate = {name: mesh.local_rank(name) for name in NAMES}
     return {"losses": losses, "step_losses": step_losses, "steps": steps, "mesh": mesh,
-            "measured": measured, "model": model,
-            "predicted": predicted_bytes(args, args.dp, args.tp, args.fsdp)}
+            "measured": measured, "replica": replica, "coordinate": coordinate,
+            "predicted": predicted_bytes(args, coordinate, steps)}
 
 
-def accuracy(model: nn.Module, args) -> float:
-    """The share of the test split classified right (every rank runs the same forward)."""
+def accuracy(run: dict, args, pg) -> float:
+    """The share of the test split classified right (every replica evaluates it all; the
+    last stage's answer is broadcast along the pipeline)."""
     x_test, y_test = map(torch.from_numpy, load_mnist(args.data_dir, "test"))
-    model.eval()
-    with torch.no_grad():
-        return (model(x_test).argmax(1) == y_test).double().mean().item()
+    replica, mesh = run["replica"], run["mesh"]
+    replica.module.eval()
+    right = torch.zeros(1, dtype=torch.float64)
+    for lo in range(0, len(x_test), EVAL_CHUNK):
+        out = replica.logits(x_test[lo:lo + EVAL_CHUNK], mesh["pp"])
+        if out is not None:
+            right += (out.argmax(1) == y_test[lo:lo + EVAL_CHUNK]).sum().item()
+    mesh["pp"].broadcast(right, src=args.pp - 1)
+    return right.item() / len(x_test)
 
 
 def main(args):
@@ -215,19 +206,22 @@ def main(args):
     start = time.perf_counter()
     run = train_on_mesh(pg, args, dense_model(args), tracer)
     wall_s = time.perf_counter() - start
-    acc = accuracy(run["model"], args)
+    acc = accuracy(run, args, pg)
 
-    # The bytes and calls are the same on every rank? (The times are each rank's own.)
-    mine = {name: (m["bytes"], m["calls"]) for name, m in run["measured"].items()}
-    everyone = pg.all_gather_object(mine)
+    # Each rank's measured bytes against its own prediction (a middle pipeline stage
+    # moves more than an end one); the table is rank 0's.
+    mine = {name: m["bytes"] for name, m in run["measured"].items()}
+    agree = pg.all_gather_object(mine == run["predicted"])
     if pg.rank == 0:
-        same = "equal" if all(m == everyone[0] for m in everyone) else "NOT equal"
+        wrong = [r for r, ok in enumerate(agree) if not ok]
+        verdict = ("measured == predicted on every rank" if not wrong else
+                   f"measured != predicted on ranks {wrong}")
         print(f"communication account (per step, {run['steps']} steps, batch "
-              f"{args.batch_size} per dp rank; measured on rank 0, bytes {same} on "
-              f"every rank):\n{account_table(run['measured'], run['predicted'], run['mesh'])}",
-              flush=True)
+              f"{args.batch_size} per dp replica; rank 0's, {verdict}):\n"
+              f"{account_table(run['measured'], run['predicted'], run['mesh'])}", flush=True)
         print("account " + json.dumps({"measured": run["measured"],
-                                       "predicted": run["predicted"]}), flush=True)
+                                       "predicted": run["predicted"],
+                                       "every_rank_agrees": not wrong}), flush=True)
     samples = run["steps"] * args.batch_size * args.dp
     print_summary(pg.rank, example="mesh", backend=pg.backend, world_size=pg.size,
                   epochs=args.epochs, wall_s=wall_s, samples=samples,
@@ -238,40 +232,51 @@ def main(args):
 
 
 def add_mesh_options(p) -> None:
-    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default: 1)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default: 1)")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (default: 2)")
-    p.add_argument("--pp", type=int, default=1,
-                   help="pipeline stages (only 1: pipeline composition is not available yet)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (default: 1)")
+    p.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b",
+                   help="pipeline schedule with --pp > 1 (default: %(default)s)")
+    p.add_argument("--microbatches", type=int, default=4,
+                   help="micro-batches per step with --pp > 1; must divide --batch-size "
+                        "(default: %(default)s)")
     p.add_argument("--fsdp", action="store_true",
-                   help="shard each tp replica with FSDP (ZeRO-3) across dp instead of DDP")
+                   help="shard each (pp, tp) replica with FSDP (ZeRO-3) across dp instead "
+                        "of DDP")
     p.add_argument("--hidden", type=int, default=64, help="default: %(default)s")
     p.add_argument("--heads", type=int, default=4, help="default: %(default)s")
     p.add_argument("--ffn", type=int, default=128, help="default: %(default)s")
-    p.add_argument("--layers", type=int, default=2, help="default: %(default)s")
+    p.add_argument("--layers", type=int, default=2,
+                   help="transformer blocks, at least --pp (default: %(default)s)")
     p.add_argument("--max-steps", type=int, default=0,
                    help="stop training after this many steps (default 0: no limit)")
 
 
+def _refuse(message: str) -> None:
+    print(f"examples/mesh.py: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 def mesh_args(argv=None):
-    """The example's options; ``--nproc`` defaults to dp*tp*pp. ``--pp`` > 1 or an
-    ``--nproc`` other than dp*tp*pp ends the program with status 2 and a message."""
+    """The example's options; ``--nproc`` defaults to dp*tp*pp. An ``--nproc`` other than
+    dp*tp*pp, fewer blocks than stages, or a batch the micro-batches do not divide ends the
+    program with status 2 and a message."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args("mesh", argv, epochs=10, batch_size=32, lr=0.05, description=__doc__,
                       extra=add_mesh_options)
-    for name in ("dp", "tp", "pp"):
+    for name in ("dp", "tp", "pp", "microbatches", "layers"):
         if getattr(args, name) < 1:
-            sys.exit(f"examples/mesh.py: --{name} must be at least 1")
-    if args.pp > 1:
-        print(f"examples/mesh.py: --pp {args.pp}: pipeline composition is not available yet "
-              f"(parallel.pp is not part of this version); run with --pp 1",
-              file=sys.stderr, flush=True)
-        sys.exit(2)
+            _refuse(f"--{name} must be at least 1")
+    if args.layers < args.pp:
+        _refuse(f"--pp {args.pp} stages need at least as many blocks, got --layers "
+                f"{args.layers}")
+    if args.pp > 1 and args.batch_size % args.microbatches:
+        _refuse(f"--batch-size {args.batch_size} is not a multiple of --microbatches "
+                f"{args.microbatches}")
     total = args.dp * args.tp * args.pp
     if any(a == "--nproc" or a.startswith("--nproc=") for a in argv):
         if args.nproc != total:
-            print(f"examples/mesh.py: --nproc {args.nproc} must equal dp*tp*pp = {total}",
-                  file=sys.stderr, flush=True)
-            sys.exit(2)
+            _refuse(f"--nproc {args.nproc} must equal dp*tp*pp = {total}")
     args.nproc = total
     return args
 

@@ -1,14 +1,17 @@
 """Draw a window of a ``--trace`` file as a PNG: one row per rank, the training phases
-(forward, backward, step) as grey bars, every collective below them coloured by its mesh
+(forward, backward, step; with a pipeline, each micro-batch's F and B, labelled "1F0":
+stage 1, forward, micro-batch 0) as grey bars, every collective and point-to-point
+operation below them coloured by its mesh
 dimension (the ``dim`` the tracer's ``wrap(group, label)`` recorded), one lane per
-dimension. A collective's bar runs from its call to the moment its result was available
+dimension (for the pipeline's sends and receives, the time the caller was blocked waiting
+for them). A collective's bar runs from its call to the moment its result was available
 (for async calls, the return of ``wait()``), as in the trace.
 
     python examples/mesh.py --dp 2 --tp 2 --fsdp --trace mesh.json
     python examples/plot_trace.py mesh.json mesh.png --step 20 --steps 2
 
-``--step`` is the first training step drawn (counted by rank 0's ``forward`` slices),
-``--steps`` how many.
+``--step`` is the first training step drawn (counted by rank 0's ``forward`` slices, or
+its ``pipeline`` slices with --pp > 1), ``--steps`` how many.
 """
 
 from __future__ import annotations
@@ -19,6 +22,18 @@ import os
 
 COLOURS = {"dp": "tab:blue", "tp": "tab:orange", "pp": "tab:green", None: "tab:grey"}
 PHASES = {"forward": "#d0d0d0", "backward": "#a8a8a8", "step": "#707070"}
+#: A pipeline's compute actions (``cat == "pp"`` slices, named like "1F0"): by kind.
+ACTIONS = {"F": "#d0d0d0", "B": "#a8a8a8", "W": "#888888"}
+
+
+def phase_colour(event: dict):
+    """The bar colour of a training-phase slice, or None for other slices."""
+    if event.get("ph") != "X":
+        return None
+    if event.get("cat") == "pp":
+        kind = next((c for c in event["name"] if c in ACTIONS), None)
+        return ACTIONS.get(kind)
+    return PHASES.get(event["name"])
 
 
 def comm_slices(events: list) -> list:
@@ -51,7 +66,8 @@ def main(argv=None) -> None:
     from matplotlib.patches import Patch
 
     events = json.load(open(args.trace))["traceEvents"]
-    forwards = sorted(e["ts"] for e in events if e.get("name") == "forward" and e["pid"] == 0)
+    forwards = sorted(e["ts"] for e in events
+                      if e.get("name") in ("forward", "pipeline") and e["pid"] == 0)
     if len(forwards) < args.step + args.steps + 1:
         raise SystemExit(f"plot_trace: the trace has {len(forwards)} steps; choose an "
                          f"earlier --step")
@@ -59,22 +75,37 @@ def main(argv=None) -> None:
     ranks = sorted({e["pid"] for e in events if "pid" in e})
     fig, ax = plt.subplots(figsize=(12, 0.9 * len(ranks) + 1.2))
     for e in events:
-        if e.get("ph") == "X" and e["name"] in PHASES and t0 <= e["ts"] < t1:
+        colour = phase_colour(e)
+        if colour is not None and t0 <= e["ts"] < t1:
             ax.broken_barh([((e["ts"] - t0) / 1e3, e["dur"] / 1e3)], (e["pid"] - 0.4, 0.35),
-                           color=PHASES[e["name"]])
+                           color=colour, edgecolor="white", linewidth=0.5)
+            if e.get("cat") == "pp" and args.steps <= 2:
+                ax.text((e["ts"] - t0 + e["dur"] / 2) / 1e3, e["pid"] - 0.22, e["name"],
+                        ha="center", va="center", fontsize=6)
     lanes = {"dp": 0.0, "tp": 0.2, "pp": 0.4}   # one lane per dimension: overlaps stay visible
-    for rank, name, dim, start, end in comm_slices(events):
-        if t0 <= start < t1:
+    comm = comm_slices(events)
+    for rank, name, dim, start, end in comm:
+        if t0 <= start < t1 and dim != "pp":
             ax.broken_barh([((start - t0) / 1e3, max(end - start, 1.0) / 1e3)],
                            (rank + lanes.get(dim, 0.4), 0.17),
                            color=COLOURS.get(dim, "tab:grey"))
+    # A pipeline's isend/irecv are in flight for most of the step (its sends are waited
+    # for at the end), so its lane shows the time the caller was blocked waiting instead.
+    for e in events:
+        if (e.get("ph") == "X" and e["name"].startswith("wait pp ")
+                and t0 <= e["ts"] < t1):
+            ax.broken_barh([((e["ts"] - t0) / 1e3, max(e["dur"], 1.0) / 1e3)],
+                           (e["pid"] + lanes["pp"], 0.17), color=COLOURS["pp"])
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.invert_yaxis()
     ax.set_xlabel("ms from the start of the first step drawn")
     ax.set_title(f"{os.path.basename(args.trace)}: steps {args.step}-{args.step + args.steps - 1}")
     handles = [Patch(color=c, label=n) for n, c in PHASES.items()]
-    handles += [Patch(color=COLOURS[d], label=f"{d} collectives") for d in ("dp", "tp")]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=5)
+    dims = [d for d in ("dp", "tp", "pp") if any(dim == d for _, _, dim, _, _ in comm)]
+    handles += [Patch(color=COLOURS[d], label=("pp send/recv, blocked" if d == "pp" else
+                                               f"{d} collectives")) for d in dims]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -1.2 / len(ranks)),
+              ncol=6)
     fig.tight_layout()
     fig.savefig(args.png, dpi=110)
 

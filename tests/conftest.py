@@ -42,6 +42,12 @@ POOL_TIMEOUT = 30.0
 #: Names that are aliases of others (left out), and backends these tests cannot drive.
 _ALIASES = {"torch"}  # gloo or nccl, whichever fits
 _NOT_TESTED_HERE = {"nccl": "needs CUDA tensors; this suite passes host tensors"}
+#: Test-only variants of a backend: name -> (backend, environment of its workers).
+#: ``shm-py`` is shm on its Python path (the compiled core turned off), so that both of
+#: shm's paths pass the suite; in the default run at 2 ranks (every op, ~25 s), at 1, 3
+#: and 4 in the slow set (a world of one never uses the core anyway).
+VARIANTS = {"shm-py": ("shm", {"COLLECTIVES_SHM_NATIVE": "0"})}
+_SLOW_VARIANT_SIZES = {"shm-py": (1, 3, 4)}
 
 _close_problems: list[str] = []
 
@@ -70,17 +76,18 @@ def backend_params() -> tuple[Any, ...]:
     """``pytest.param`` per backend to test: ``shm``, ``p2p:shm`` and every other backend
     ``available_backends()`` reports; one that cannot be used here is a skip, with why."""
     available = collectives.available_backends()
-    names = ["shm", "p2p:shm"] + [b for b in available if b not in _ALIASES | {"shm"}]
+    names = ["shm", "shm-py", "p2p:shm"] + [b for b in available
+                                            if b not in _ALIASES | {"shm"}]
     params = []
     for name in names:
-        base = name.rpartition(":")[2]
+        base = VARIANTS.get(name, (name,))[0].rpartition(":")[2]
         reason = _NOT_TESTED_HERE.get(base)
         if reason is None and base not in available:
             reason = f"backend {base!r} is not available here (module or library missing)"
         if reason is None:
             try:
-                launcher_for(name)
-                collectives.get_backend(name)
+                launcher_for(VARIANTS.get(name, (name,))[0])
+                collectives.get_backend(VARIANTS.get(name, (name,))[0])
             except (LauncherUnavailable, ImportError, TypeError, ValueError) as exc:
                 reason = f"{type(exc).__name__}: {exc}"
         marks = [pytest.mark.skip(reason=f"{name}: {reason}")] if reason else []
@@ -118,6 +125,13 @@ def _world_key(item: pytest.Item) -> Any:
     return (rank, backend, params.get("world_size", 0))
 
 
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """A test variant's world sizes outside the default run get the ``slow`` mark."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if params.get("world_size") in _SLOW_VARIANT_SIZES.get(params.get("backend"), ()):
+        item.add_marker(pytest.mark.slow)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Run the tests of one world one after another (each world then starts once); tests
@@ -143,7 +157,9 @@ class PoolCache:
         if pool is None:
             while len(self._pools) >= self.max_alive:
                 self._close(self._pools.popitem(last=False)[1])
-            pool = WorldPool(backend, world_size, timeout=POOL_TIMEOUT, preload=("torch",))
+            name, env = VARIANTS.get(backend, (backend, None))
+            pool = WorldPool(name, world_size, timeout=POOL_TIMEOUT, preload=("torch",),
+                             env=env)
         self._pools[key] = pool
         pool.start()  # no-op when running; raises PoolError when broken
         return pool

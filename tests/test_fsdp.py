@@ -98,9 +98,10 @@ def _digest(sd: dict) -> np.ndarray:
 
 # ------------------------------------------------------------------ checks (per rank)
 def check_equivalence(pg, strategy="zero3", optim="sgd", *, steps=5, micro=1, b=4,
-                      wrap=Block, model=None, **kwargs) -> dict:
+                      wrap=Block, model=None, ahead=False, **kwargs) -> dict:
     """``steps`` steps of ``optim``; each step ``micro`` micro-batches of ``b`` per rank,
-    the first ``micro - 1`` under no_sync, each loss scaled by 1/micro."""
+    the first ``micro - 1`` under no_sync, each loss scaled by 1/micro. ``ahead``: every
+    micro-batch's forward before the first backward (as a GPipe pipeline stage runs)."""
     n, r = pg.size, pg.rank
     model = model or _model
     fsdp = FSDP(model(100 + r), pg, wrap=wrap, strategy=strategy, **kwargs)
@@ -111,9 +112,16 @@ def check_equivalence(pg, strategy="zero3", optim="sgd", *, steps=5, micro=1, b=
         x = torch.randn(micro, n, b, D_IN, generator=gen)
         y = torch.randint(0, D_OUT, (micro, n, b), generator=gen)
         opt.zero_grad()
+        pending = []
         for i in range(micro):
             with fsdp.no_sync() if i < micro - 1 else contextlib.nullcontext():
-                (F.cross_entropy(fsdp(x[i, r]), y[i, r]) / micro).backward()
+                loss = F.cross_entropy(fsdp(x[i, r]), y[i, r]) / micro
+                if not ahead:
+                    loss.backward()
+            pending.append(loss)
+        if ahead:
+            for loss in pending:
+                loss.backward()
         opt.step()
         ref_opt.zero_grad()
         F.cross_entropy(ref(x.reshape(-1, D_IN)), y.reshape(-1)).backward()
@@ -366,6 +374,16 @@ def test_equivalence_options(kwargs):
 def test_no_sync_accumulation(strategy):
     res = run_threads(lambda pg: check_equivalence(pg, strategy, micro=3, steps=3), 2,
                       timeout=60)
+    assert all(r["err"] < TOL for r in res), [r["err"] for r in res]
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "zero2"])
+def test_no_sync_with_forwards_ahead_of_backwards(strategy):
+    """Three forwards, then their three backwards (a GPipe stage's order): the first pass
+    frees the root's parameters when their gradient is complete, and the later passes
+    must gather them again (they once read freed storage)."""
+    res = run_threads(lambda pg: check_equivalence(pg, strategy, micro=3, steps=3,
+                                                   ahead=True), 2, timeout=60)
     assert all(r["err"] < TOL for r in res), [r["err"] for r in res]
 
 

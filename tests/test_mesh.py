@@ -30,6 +30,7 @@ if str(ROOT) not in sys.path:  # run as a script under mpiexec
     sys.path.insert(0, str(ROOT))
 
 import collectives  # noqa: E402
+from job_env import job_env  # noqa: E402
 from collectives.testing.threads import run_threads  # noqa: E402
 from parallel import DeviceMesh  # noqa: E402
 from parallel.mesh import mesh_groups  # noqa: E402
@@ -236,12 +237,7 @@ def test_spawned_8_ranks(backend):
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                        "MASTER_PORT", "COLLECTIVES_BACKEND", "COLLECTIVES_JOB_ID")}
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    return env
+    return job_env()
 
 
 needs_mpi = pytest.mark.skipif(
@@ -261,180 +257,6 @@ def test_under_mpiexec(tmp_path, n):
     _assert_job(reports, "mpi", n)
 
 
-# ------------------------------------------------------------------ examples/mesh.py
-def _example_args(*argv: str):
-    from examples.mesh import mesh_args
-    return mesh_args(["--hidden", "16", "--heads", "2", "--ffn", "32", "--layers", "1",
-                      "--batch-size", "8", "--epochs", "1", *argv])
-
-
-def _train_threads(args):
-    import torch
-    from examples.mesh import dense_model, train_on_mesh
-    dense = dense_model(args)          # once: the threads share torch's global random state
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return run_threads(lambda pg: {k: v for k, v in train_on_mesh(pg, args, dense).items()
-                                       if k in ("measured", "predicted", "step_losses")},
-                           args.nproc, timeout=60)
-    finally:
-        torch.set_num_threads(threads)
-
-
-@pytest.mark.parametrize("dp, tp, fsdp", [(2, 2, False), (2, 2, True), (1, 2, False),
-                                          (2, 1, True), (4, 1, False)])
-def test_account_measured_equals_predicted(dp, tp, fsdp):
-    """The bytes the counters saw on each dimension's group, per step, on every rank, are
-    exactly the bytes the model's sizes predict (a small model, 3 steps)."""
-    args = _example_args("--dp", str(dp), "--tp", str(tp), "--max-steps", "3",
-                         *(["--fsdp"] if fsdp else []))
-    for rank, run in enumerate(_train_threads(args)):
-        measured = {name: run["measured"][name]["bytes"] for name in ("dp", "tp")}
-        assert measured == run["predicted"], (rank, run["measured"], run["predicted"])
-        assert (measured["dp"] > 0) == (dp > 1) and (measured["tp"] > 0) == (tp > 1)
-
-
-def test_mesh_run_follows_the_single_process_model():
-    """dp=2 x tp=2 with batch 8 per dp rank takes the steps of one process with batch 16:
-    the mean over dp of the step losses equals the single-process losses for 8 steps."""
-    single = _train_threads(_example_args("--dp", "1", "--tp", "1", "--batch-size", "16",
-                                          "--max-steps", "8"))[0]["step_losses"]
-    runs = _train_threads(_example_args("--dp", "2", "--tp", "2", "--max-steps", "8"))
-    # Row-major (dp, tp): ranks 0 and 2 are the dp pair of tp rank 0.
-    for tp_rank in (0, 1):
-        mean = [(a + b) / 2 for a, b in zip(runs[tp_rank]["step_losses"],
-                                            runs[2 + tp_rank]["step_losses"])]
-        assert len(mean) == len(single) == 8
-        for ours, theirs in zip(mean, single):
-            assert abs(ours - theirs) <= 1e-4 * abs(theirs), (mean, single)
-    assert runs[0]["step_losses"] == runs[1]["step_losses"]   # one tp pair: the same batch
-
-
-_FOLLOW = ["--dp", "2", "--tp", "2", "--max-steps", "8"]
-
-
-def _follow_on(pg) -> list:
-    """This rank's step losses of the small dp=2 x tp=2 run (DDP and FSDP) in a real job."""
-    import torch
-    from examples.mesh import dense_model, train_on_mesh
-    torch.set_num_threads(1)
-    out = []
-    for extra in ([], ["--fsdp"]):
-        args = _example_args(*_FOLLOW, *extra)
-        out.append(train_on_mesh(pg, args, dense_model(args))["step_losses"])
-    return out
-
-
-def _follow_job() -> dict:
-    pg = collectives.init_process_group()
-    try:
-        return {"backend": pg.backend, "result": _follow_on(pg)}
-    finally:
-        pg.close()
-
-
-def _assert_follows(reports: list) -> None:
-    single = _train_threads(_example_args("--dp", "1", "--tp", "1", "--batch-size", "16",
-                                          "--max-steps", "8"))[0]["step_losses"]
-    for strategy in (0, 1):                               # DDP, FSDP
-        for tp_rank in (0, 1):
-            a, b = (reports[r]["result"][strategy] for r in (tp_rank, 2 + tp_rank))
-            mean = [(x + y) / 2 for x, y in zip(a, b)]
-            assert len(mean) == 8
-            for ours, theirs in zip(mean, single):
-                assert abs(ours - theirs) <= 1e-4 * abs(theirs), (strategy, mean, single)
-
-
-@pytest.mark.slow
-def test_real_processes_follow_the_single_process_model():
-    """On 4 shm ranks, DDP and FSDP over dp: the step losses of one process (8 steps)."""
-    reports = collectives.spawn(_follow_job, 4, backend="shm", timeout=60, join_timeout=200)
-    _assert_follows(reports)
-
-
-@pytest.mark.slow
-@needs_mpi
-def test_under_mpiexec_follows_the_single_process_model(tmp_path):
-    proc = subprocess.run([MPIEXEC, "-n", "4", sys.executable, __file__, str(tmp_path),
-                           "follow"], cwd=ROOT, env=_env(), stdin=subprocess.DEVNULL,
-                          capture_output=True, text=True, timeout=200)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    _assert_follows([json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)])
-
-
-def _run_example(argv: list, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "examples/mesh.py", *argv], cwd=ROOT, env=_env(),
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          timeout=timeout)
-
-
-def _check_example_output(proc: subprocess.CompletedProcess) -> dict:
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
-    summary = json.loads(lines[-1])
-    assert list(summary) == ["example", "backend", "world_size", "epochs", "wall_s",
-                             "samples_per_s", "final_loss", "final_acc"]
-    account = json.loads(next(l for l in lines if l.startswith("account "))[len("account "):])
-    for name in ("dp", "tp"):
-        assert account["measured"][name]["bytes"] == account["predicted"][name] > 0, account
-    assert "bytes equal on every rank" in proc.stdout
-    return summary
-
-
-def test_example_quick_run_with_trace(tmp_path):
-    """A few steps of ``--dp 2 --tp 2 --fsdp`` on shm: the contract's summary line, the
-    account (measured == predicted), and a trace whose collectives name their dimension."""
-    trace = tmp_path / "mesh.json"
-    proc = _run_example(["--dp", "2", "--tp", "2", "--fsdp", "--epochs", "1",
-                         "--max-steps", "5", "--trace", str(trace)], timeout=120)
-    summary = _check_example_output(proc)
-    assert summary["example"] == "mesh" and summary["world_size"] == 4
-    events = json.loads(trace.read_text())["traceEvents"]
-    for rank in range(4):
-        names = {e["name"] for e in events if e["pid"] == rank}
-        assert {"forward", "backward", "tp all_reduce", "dp all_gather",
-                "dp reduce_scatter"} <= names, names
-    dims = {e["args"].get("dim") for e in events if e.get("cat") == "comm" and e["ph"] == "b"}
-    assert dims == {"dp", "tp"}
-    pytest.importorskip("matplotlib")
-    from examples.plot_trace import main as plot
-    plot([str(trace), str(tmp_path / "mesh.png"), "--step", "1", "--steps", "2"])
-    assert (tmp_path / "mesh.png").read_bytes()[:4] == b"\x89PNG"
-
-
-def test_example_refuses_pipeline_and_bad_nproc(capsys):
-    from examples.mesh import mesh_args
-    for argv, message in [(["--pp", "2"], "pipeline composition is not available yet"),
-                          (["--nproc", "2"], "dp*tp*pp = 4")]:
-        with pytest.raises(SystemExit) as exc:
-            mesh_args(["--dp", "2", "--tp", "2", *argv])
-        assert exc.value.code == 2 and message in capsys.readouterr().err
-    assert mesh_args(["--dp", "2", "--tp", "2"]).nproc == 4
-    assert mesh_args(["--dp", "2", "--tp", "2", "--nproc", "4"]).nproc == 4
-
-
-@pytest.mark.slow
-@needs_mpi
-def test_example_under_mpiexec():
-    proc = subprocess.run([MPIEXEC, "-n", "4", sys.executable, "examples/mesh.py", "--dp", "2",
-                           "--tp", "2", "--epochs", "1", "--max-steps", "10"], cwd=ROOT,
-                          env=_env(), stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          timeout=180)
-    summary = _check_example_output(proc)
-    assert summary["backend"] == "mpi" and summary["world_size"] == 4
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("fsdp", [False, True])
-def test_example_reaches_85_percent(fsdp):
-    """The whole default run, ``--dp 2 --tp 2`` on 4 shm ranks (~45 s on 2 cores with DDP)."""
-    proc = _run_example(["--dp", "2", "--tp", "2", *(["--fsdp"] if fsdp else [])],
-                        timeout=400)
-    summary = _check_example_output(proc)
-    assert summary["final_acc"] >= 0.85, summary
-
-
 def test_parallel_mesh_imports_no_transport():
     import ast
     forbidden = ("backends", "zmq", "mpi4py", "torch.distributed")
@@ -449,9 +271,7 @@ def test_parallel_mesh_imports_no_transport():
 if __name__ == "__main__":  # one rank of test_under_mpiexec's job: python test_mesh.py DIR
     _pg = collectives.init_process_group()
     try:
-        _follow = sys.argv[2:] == ["follow"]
-        _report = {"backend": _pg.backend,
-                   "result": _follow_on(_pg) if _follow else _job_on(_pg)}
+        _report = {"backend": _pg.backend, "result": _job_on(_pg)}
         Path(sys.argv[1], f"rank{_pg.rank}.json").write_text(json.dumps(_report))
         _pg.barrier()
     finally:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from job_env import job_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -43,12 +44,7 @@ UNIT = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24}
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                        "MASTER_PORT", "COLLECTIVES_BACKEND", "COLLECTIVES_JOB_ID")}
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    return env
+    return job_env()
 
 
 def _run(command: list, timeout: float = JOB_TIMEOUT) -> subprocess.CompletedProcess:

@@ -460,6 +460,11 @@ def test_bad_input_is_refused_clearly():
             Schedule1F1B(PipelineStage(lin, pg, pg.rank, 4), 2, F.mse_loss)
         with pytest.raises(ValueError, match="n_microbatches"):
             ScheduleGPipe(stage, 0, F.mse_loss)
+        from parallel import DDP
+        replica = PipelineStage(DDP(nn.Linear(2, 2), pg), pg, pg.rank, 2)
+        with pytest.raises(ValueError, match="zero-bubble schedule .* use ScheduleGPipe"):
+            ScheduleZeroBubble(replica, 2, F.mse_loss)   # W passes: no sync point for DDP
+        Schedule1F1B(replica, 2, F.mse_loss)              # its last B is micro-batch 1
         sched = ScheduleGPipe(stage, 2, F.mse_loss)
         if pg.rank == 0:
             with pytest.raises(ValueError, match="not a multiple of n_microbatches=2"):

@@ -22,10 +22,10 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from job_env import job_env
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -607,12 +607,7 @@ def test_spawned(backend, nproc):
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                        "MASTER_PORT", "COLLECTIVES_BACKEND", "COLLECTIVES_JOB_ID")}
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    return env
+    return job_env()
 
 
 def _start(command: list) -> subprocess.Popen:

@@ -8,8 +8,8 @@ How it works, module by module:
   sockets). The leader creates it under a temporary name and publishes it with
   ``os.link``; everyone maps it and marks itself attached; the name is unlinked as soon as
   all are attached, so nothing is left in /dev/shm even after a SIGKILL.
-- ``futex``: waiting. Spin a few microseconds, ``sched_yield`` for up to 100 us, then
-  sleep in the kernel on this rank's doorbell word (FUTEX_WAIT, in slices of at most
+- ``futex``: waiting. Spin, ``sched_yield`` for a while (how long: ``native.wait_policy``,
+  by the cores per rank), then sleep in the kernel on this rank's doorbell word (FUTEX_WAIT, in slices of at most
   200 ms, so deadlines and peer liveness are checked). ``COLLECTIVES_SHM_WAIT=sleep``
   replaces the futex with sleeps growing to 1 ms.
 - ``ops``: the collectives, a phase protocol over two banks of per-rank slots (no atomics:
@@ -22,6 +22,15 @@ How it works, module by module:
 - ``channels``: point to point, one byte ring per ordered pair of ranks, MPI-style tag
   matching with an unexpected-message queue.
 - ``group``: ``ShmGroup`` itself (waits, errors, sub-groups, lifetime).
+- ``_native`` (``_native.c``), ``native``, ``native_ops``: the compiled core, built by
+  the package's own build where a C compiler is present. It speaks the same protocol
+  (same layout, phases, fingerprints, doorbells, rings) and takes over the hot loops:
+  publishing and waiting for a phase (C11 release/acquire, spin then ``sched_yield``
+  then FUTEX_WAIT, the GIL released), the one-phase small reduce, the rank-order
+  reductions of every dtype, and whole point-to-point messages when nothing else is
+  queued on their ring. Python keeps every error. Without it, or with
+  ``COLLECTIVES_SHM_NATIVE=0``, the Python path runs (a warning says so once when the
+  core is missing); ``pg.native`` tells which.
 
 Shared memory per group of n ranks: 2 x n x S bytes of data banks (S =
 ``COLLECTIVES_SHM_CHUNK_BYTES``, default 1 MiB: 8 MiB for 4 ranks, whatever the message
@@ -31,12 +40,17 @@ sparse: pages count once written.
 
 Environment: ``COLLECTIVES_SHM_CHUNK_BYTES`` and ``COLLECTIVES_SHM_RING_BYTES`` are read by
 the group's leader (the others follow its header); per process ``COLLECTIVES_SHM_WAIT``
-(``futex``/``sleep``), ``COLLECTIVES_SHM_SPIN_US`` (default 5), ``COLLECTIVES_SHM_YIELD_US``
-(default 100), ``COLLECTIVES_SHM_PID_CHECK`` (``0``: no pid liveness checks).
+(``futex``/``sleep``), ``COLLECTIVES_SHM_SPIN_US`` and ``COLLECTIVES_SHM_YIELD_US``
+(defaults from ``native.wait_policy``: 50 and 1000 with a core per rank, 1 and 50
+with more ranks than cores), ``COLLECTIVES_SHM_PID_CHECK`` (``0``: no pid liveness
+checks), ``COLLECTIVES_SHM_NATIVE`` (``0``: the Python path).
 
-Limits: one host; the memory-ordering argument is x86-64's (TSO): other architectures
-would need release/acquire fences around each publication. After an error in a
-collective (mismatch, timeout, dead peer) the group is broken: close it.
+Limits: one host. On the compiled core the phases of every collective, and the messages
+it moves whole, are published with release stores and read with acquire loads, so that
+part holds on any architecture with C11 atomics (tested on x86-64 only); the Python path,
+and the point-to-point engine's Python loop (a message larger than the ring's free
+space, or queued behind another), still rely on x86-64's ordering (TSO). After an error
+in a collective (mismatch, timeout, dead peer) the group is broken: close it.
 """
 
 from __future__ import annotations

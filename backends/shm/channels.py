@@ -61,6 +61,17 @@ class RecvOp:
         self.dtype_code = dtype_code
 
 
+class _Done:
+    """What a send or receive that the core completed at once returns."""
+
+    __slots__ = ()
+    done = True
+    error = None
+
+
+_DONE = _Done()
+
+
 class _Unexpected:
     """A message that arrived before its receive was posted."""
 
@@ -94,8 +105,14 @@ class Engine:
     """The point-to-point state of one rank of one group."""
 
     def __init__(self, seg: Segment, rank: int, size: int, ring: Callable[[list], None],
-                 where: Callable[[str], str], dtype_name: Callable[[int], str]) -> None:
+                 where: Callable[[str], str], dtype_name: Callable[[int], str],
+                 core=None) -> None:
         lay: Layout = seg.layout
+        # The compiled core (native_ops), or None: it moves a whole message in one call
+        # when nothing else is queued on that ring (same bytes, same counters).
+        self._core = core if size > 1 else None
+        self._ring_off_out = [lay.ring_byte(rank, d) for d in range(size)]
+        self._ring_off_in = [lay.ring_byte(s, rank) for s in range(size)]
         self.rank, self.size = rank, size
         self.lock = threading.Lock()
         self._u64 = seg.u64
@@ -128,7 +145,20 @@ class Engine:
 
     # ------------------------------------------------------------------ posting
     def post_send(self, array: np.ndarray, dst: int, tag: int, dtype_code: int) -> SendOp:
-        op = SendOp(dst, tag, array.reshape(-1).view(np.uint8), dtype_code)
+        payload = array.reshape(-1).view(np.uint8)
+        core = self._core
+        if core is not None and dst != self.rank:
+            with self.lock:
+                self._check_open("send")
+                if not self._sendq[dst]:       # in order behind nothing: one C call
+                    head = core.ring_put(self._ring_off_out[dst], self._R, self._heads[dst],
+                                         8 * self._out_head[dst], 8 * self._out_tail[dst],
+                                         tag, dtype_code, _MSG_MAGIC, payload)
+                    if head >= 0:
+                        self._heads[dst] = head
+                        self._ring_doorbells([dst])
+                        return _DONE
+        op = SendOp(dst, tag, payload, dtype_code)
         with self.lock:
             self._check_open("send")
             if dst == self.rank:
@@ -140,7 +170,23 @@ class Engine:
         return op
 
     def post_recv(self, array: np.ndarray, src: int, tag: int, dtype_code: int) -> RecvOp:
-        op = RecvOp(src, tag, array.reshape(-1).view(np.uint8), dtype_code)
+        target = array.reshape(-1).view(np.uint8)
+        core = self._core
+        if core is not None and src != self.rank:
+            with self.lock:
+                self._check_open("recv")
+                # Only when this message could not match anything else first: nothing
+                # posted from src, nothing of src half read, no (src, tag) set aside.
+                if not self._posted[src] and self._incoming[src] is None \
+                        and (src, tag) not in self._unexpected:
+                    tail = core.ring_take(self._ring_off_in[src], self._R, self._tails[src],
+                                          8 * self._in_head[src], 8 * self._in_tail[src],
+                                          tag, _MSG_MAGIC, target)
+                    if tail >= 0:
+                        self._tails[src] = tail
+                        self._ring_doorbells([src])   # the sender may wait for room
+                        return _DONE
+        op = RecvOp(src, tag, target, dtype_code)
         with self.lock:
             self._check_open("recv")
             self.pending += 1
@@ -167,6 +213,26 @@ class Engine:
             if not op.done and src != self.rank:
                 self.progress_locked(drain=False)
         return op
+
+    def take_posted_locked(self, op: RecvOp) -> bool:
+        """With the core: complete ``op``, the first receive posted from its source,
+        straight from the ring if its whole message is next there (one C call); False
+        leaves it to ``progress_locked``."""
+        src = op.src
+        posted = self._posted[src]
+        if self._core is None or op.done or not posted or posted[0] is not op \
+                or self._incoming[src] is not None:
+            return False
+        tail = self._core.ring_take(self._ring_off_in[src], self._R, self._tails[src],
+                                    8 * self._in_head[src], 8 * self._in_tail[src],
+                                    op.tag, _MSG_MAGIC, op.array)
+        if tail < 0:
+            return False
+        posted.popleft()
+        self._tails[src] = tail
+        self._complete(op)
+        self._ring_doorbells([src])
+        return True
 
     def _check_open(self, what: str) -> None:
         if self.closed:

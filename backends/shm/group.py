@@ -1,7 +1,8 @@
 """``ShmGroup``: a ProcessGroup whose ranks are processes of one host sharing a segment.
 
 Waiting never burns a core for long: a few microseconds of spinning, ``sched_yield`` for
-up to 100 us, then sleep in the kernel on this rank's doorbell (``futex.Doorbells``), in
+up to a millisecond (``native.wait_policy``: longer with a core per rank, shorter when
+oversubscribed), then sleep in the kernel on this rank's doorbell (``futex.Doorbells``), in
 slices of at most 200 ms so that the deadline and the peers' liveness (pid alive and not a
 zombie; their state word: failed or closed) are checked. The yield phase pays for itself
 because a futex wake-up costs tens of microseconds on virtual machines: two ranks that
@@ -35,6 +36,7 @@ from collectives.work import Work
 from . import segment as sg
 from .channels import HEADER_BYTES, Engine, SendOp
 from .futex import Doorbells, wait_mode
+from .native_ops import NativePaths
 from .ops import CollectiveOps, dtype_code, dtype_name
 from .reduce import ReduceOps
 
@@ -72,7 +74,10 @@ class _P2PWork(Work):
         self._group, self._op, self._what, self._peer = group, op, what, peer
 
     def wait(self, timeout: Optional[float] = None) -> None:
-        self._group._p2p_wait(self._op, timeout, self._what, self._peer)
+        op = self._op
+        if op.done and op.error is None:  # (the core often completes it when posted)
+            return
+        self._group._p2p_wait(op, timeout, self._what, self._peer)
 
     def is_completed(self) -> bool:
         op = self._op
@@ -87,7 +92,7 @@ class _P2PWork(Work):
         return op.done
 
 
-class ShmGroup(ReduceOps, CollectiveOps, ProcessGroup):
+class ShmGroup(NativePaths, ReduceOps, CollectiveOps, ProcessGroup):
     """Ranks of one host communicating through one POSIX shared-memory segment."""
 
     backend = "shm"
@@ -137,9 +142,9 @@ class ShmGroup(ReduceOps, CollectiveOps, ProcessGroup):
                                 [lay.bell_byte(r) for r in range(size)],
                                 [lay.ctrl_word(r, sg.W_SLEEPERS) for r in range(size)],
                                 rank, wait_mode())
-        self._engine = Engine(seg, rank, size, self._bells.ring, self._where, dtype_name)
-        self._spin_s = env_number(SPIN_ENV, 5) * 1e-6
-        self._yield_s = env_number(YIELD_ENV, 100) * 1e-6
+        self._use_native()  # the compiled core, its doorbells and the wait policy
+        self._engine = Engine(seg, rank, size, self._bells.ring, self._where, dtype_name,
+                              core=self._native)
         self._phase = int(seg.u64[self._me_arrived])
         self._S = lay.chunk
         self._slots = [[seg.bytes[lay.slot_off(b, r):lay.slot_off(b, r) + lay.chunk]
@@ -377,6 +382,7 @@ class ShmGroup(ReduceOps, CollectiveOps, ProcessGroup):
                 self._mark(sg.STATE_CLOSED)
             except Exception:  # noqa: BLE001 - closing must not fail
                 pass
+            self._native = None  # releases its hold on the mapping
             self._engine.close()
             self._typed.clear()
             self._small_cache.clear()

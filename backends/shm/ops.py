@@ -293,7 +293,11 @@ class CollectiveOps:
                         mine[k * stride:k * stride + c] = inp[k * m + lo:k * m + hi]
             self._exchange(q)
             at = me * stride
-            if reducing:
+            if reducing and self._native_combine is not None:  # compiled, GIL released
+                self._native_combine(out[lo:hi], [self._sv(b, r, dt)[at:at + c]
+                                                  for r in range(n)],
+                                     _DTYPE_CODE.get(dt, 0), _REDOP_BY_ID[id(op)], n)
+            elif reducing:
                 acc = out[lo:hi]
                 acc[...] = self._sv(b, 0, dt)[at:at + c]
                 for r in range(1, n):

@@ -136,6 +136,8 @@ class ReduceOps:
         n, me, dt = self.size, self.rank, a.dtype
         self._start(opcode, seq, dt, a.nbytes, dst, op)
         kernel = _KERNEL_BY_ID[id(op)]
+        combine = self._native_combine   # the compiled core's reduction, or None
+        code, redop = _DTYPE_CODE.get(dt, 0), _REDOP_BY_ID[id(op)]
         gets_result = dst < 0 or dst == me
         P, C = self._piece_layout(a.itemsize)
         align = max(1, _ALIGN // a.itemsize)
@@ -170,10 +172,13 @@ class ReduceOps:
                     srcs = [a[lo + k0:lo + k1] if r == me else prev[r][k0:k1]
                             for r in range(n)]
                     out = slot_in[C:C + (k1 - k0)]
-                    kernel(srcs[0], srcs[1], out=out)
-                    for r in range(2, n):
-                        kernel(out, srcs[r], out=out)
-                    finish(op, out, n)
+                    if combine is not None:    # the compiled core, GIL released
+                        combine(out, srcs, code, redop, n)
+                    else:
+                        kernel(srcs[0], srcs[1], out=out)
+                        for r in range(2, n):
+                            kernel(out, srcs[r], out=out)
+                        finish(op, out, n)
             if j >= 2 and gets_result:             # 3. copy out chunk j-2
                 self._copy_out(a, views[b ^ 1], (j - 2) * C, C, bounds[j - 2])
             self._exchange(q)

@@ -18,6 +18,13 @@ the same time cannot deadlock, and a message travels while the rank computes.
 Activation shapes and dtypes are not declared: the first step sends, before each stage
 boundary's first activation, a small header (dtype and shape); later steps reuse it, so
 every step must use the same micro-batch shape.
+
+Data parallelism across pipelines (a device mesh's ``dp`` dimension): a stage module that
+has ``no_sync()`` (``parallel.DDP``, ``parallel.FSDP``) runs every micro-batch's forward
+but the last inside it, so the gradients accumulate locally over the step and are averaged
+across replicas once, in the last micro-batch's backward (which every non-split schedule
+runs last on each stage; the constructor checks). Zero-bubble schedules, whose weight
+gradients come in separate W passes, refuse such modules.
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ class PipelineSchedule:
         self._split = self.split_backward
         self.program = check_schedule(self.schedule, num_stages, n_microbatches,
                                       split_backward=self._split)[group.rank]
+        self._check_gradient_sync()
         self._meta: dict[int, tuple] = {}          # stage -> (dtype, shape) of its input
         self._meta_sent: set[int] = set()          # stages whose output header went out
         #: The last step's compute actions on this rank: ``(action, start_s, end_s)``.
@@ -87,6 +95,23 @@ class PipelineSchedule:
 
     def _generate(self, num_ranks: int, n_microbatches: int, num_stages: int):
         raise NotImplementedError
+
+    def _check_gradient_sync(self) -> None:
+        """Stage modules with ``no_sync()`` synchronise in micro-batch M-1's backward, so it
+        must be the last backward of their stage (see the module docstring)."""
+        syncing = [s for s, st in self.stages.items() if hasattr(st.module, "no_sync")]
+        if syncing and self._split:
+            raise ValueError(f"{self._where}: stage {syncing[0]}'s module "
+                             f"({type(self.stages[syncing[0]].module).__name__}) synchronises "
+                             f"gradients (has no_sync()); a zero-bubble schedule computes "
+                             f"them in separate W passes, which DDP/FSDP cannot follow: use "
+                             f"ScheduleGPipe or Schedule1F1B")
+        for s in syncing:
+            order = [a.microbatch for a in self.program if a.kind == B and a.stage == s]
+            if order and order[-1] != self.n_microbatches - 1:
+                raise ValueError(f"{self._where}: stage {s}'s last backward is micro-batch "
+                                 f"{order[-1]}, not {self.n_microbatches - 1}: its module's "
+                                 f"gradient sync (no_sync) would not see every micro-batch")
 
     # ------------------------------------------------------------------------- step
     def step(self, x: Optional[torch.Tensor] = None, *,
@@ -135,7 +160,12 @@ class PipelineSchedule:
         else:
             inp = self._wait_recv(Action(s, RECV_F, m))
         start = time.time()
-        out = self.stages[s].forward(m, inp)
+        stage = self.stages[s]
+        if m < self.n_microbatches - 1 and hasattr(stage.module, "no_sync"):
+            with stage.module.no_sync():      # averaged once, in micro-batch M-1's backward
+                out = stage.forward(m, inp)
+        else:
+            out = stage.forward(m, inp)
         if s == self.num_stages - 1:
             loss = self.loss_fn(out, self._targets[m])
             self._losses[m] = loss.detach()

@@ -1,0 +1,877 @@
+/* The compiled hot path of the shm backend (backends.shm._native).
+ *
+ * It speaks the protocol of backends/shm/{ops,reduce,futex,segment}.py word for word
+ * (same layout, same phases, same doorbells), so a group may mix it with the Python
+ * code around it; Python keeps everything that raises. What moves here:
+ *
+ *  - publication and waiting: `arrived` is stored with release order after the data
+ *    and fingerprints, and read with acquire order before the data is read, so the
+ *    protocol no longer leans on x86-64's TSO; the wait spins, yields, then sleeps on
+ *    this rank's doorbell (FUTEX_WAIT), all with the GIL released, and returns a
+ *    status to Python (done / budget spent / a peer failed or closed / mismatch)
+ *    instead of raising;
+ *  - doorbells: one counter for every ring of the group (so a waiter never sees the
+ *    value it slept on come back) and an atomic count of this rank's sleepers;
+ *  - the reduction in rank order for every dtype the backend supports, float16 and
+ *    bfloat16 computed in float32 and rounded to nearest-even after every step, as
+ *    numpy and ml_dtypes do (float32 has 2p+2 bits for both, so this is also the
+ *    correctly rounded result): bitwise what the Python path computes;
+ *  - the one-phase small all_reduce/reduce, from input to result in one call.
+ *
+ * Control block of rank r (segment.py): uint64 words at ctrl + r * 128: 0 arrived,
+ * 1..4 fingerprints (parity 0 at 1, 2; parity 1 at 3, 4), 6 state, 9 sleepers; the
+ * uint32 doorbell at byte 64. Slots: data + (bank * n + r) * chunk.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <math.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#define CTRL_STRIDE 128
+#define W_ARRIVED 0
+#define W_FP 1
+#define W_STATE 6
+#define W_SLEEPERS 9
+#define BELL_BYTE 64
+#define STATE_FAILED 2
+#define STATE_CLOSED 3
+
+enum { DONE = 1, BUDGET = 0, PEER = 2, MISMATCH = 3 };
+enum { R_SUM = 1, R_AVG = 2, R_PROD = 3, R_MIN = 4, R_MAX = 5 };
+/* ops._DTYPE_CODE: 1 + the index in collectives.buffers.SUPPORTED_DTYPES. */
+enum { T_F16 = 1, T_BF16, T_F32, T_F64, T_I8, T_U8, T_I16, T_I32, T_I64, T_BOOL };
+
+typedef _Atomic uint64_t au64;
+typedef _Atomic uint32_t au32;
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static inline double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* ------------------------------------------------------------------ float16/bfloat16 */
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+static inline float h2f(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    if (exp == 0x1f) return u2f(sign | 0x7f800000u | (man << 13));
+    if (exp == 0) {  /* zero or subnormal: man x 2^-24, exact in float */
+        float f = ldexpf((float)man, -24);
+        return sign ? -f : f;
+    }
+    return u2f(sign | ((exp + 112) << 23) | (man << 13));
+}
+
+static inline uint16_t f2h(float f) {  /* round to nearest, ties to even */
+    uint32_t x = f2u(f), ax = x & 0x7fffffffu;
+    uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    if (ax > 0x7f800000u) return sign | 0x7e00u | (uint16_t)((ax >> 13) & 0x1ff);  /* NaN */
+    if (ax >= 0x477ff000u) return sign | 0x7c00u;        /* >= 65520: infinity */
+    if (ax >= 0x38800000u)                                /* normal: carry may bump exp */
+        return sign | (uint16_t)((ax - 0x38000000u + 0xfffu + ((ax >> 13) & 1u)) >> 13);
+    if (ax <= 0x33000000u) return sign;                   /* <= 2^-25 rounds to 0 */
+    return sign | (uint16_t)lrintf(u2f(ax) * 0x1p24f);   /* subnormal (1024: min normal) */
+}
+
+static inline float b2f(uint16_t b) { return u2f((uint32_t)b << 16); }
+
+static inline uint16_t f2b(float f) {
+    uint32_t x = f2u(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);  /* NaN */
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+/* ------------------------------------------------------------------------ kernels */
+/* out = s0 (op) s1 (op) ... (op) s_{k-1}, in that order, element by element, then AVG
+ * divides by n. Blocked, so that `out` may be one of the sources (each block reads all
+ * its sources before it writes). Integers wrap (unsigned arithmetic), as numpy's do. */
+#define BLOCK 1024
+
+/* NaN propagates; on a tie (-0 against +0) numpy's float32/float64 loops and
+ * ml_dtypes' bfloat16 return the second operand, numpy's float16 loop the first. */
+#define FMIN(a, b) (((a) < (b) || (a) != (a)) ? (a) : (b))
+#define FMAX(a, b) (((a) > (b) || (a) != (a)) ? (a) : (b))
+#define HMIN(a, b) (((a) <= (b) || (a) != (a)) ? (a) : (b))
+#define HMAX(a, b) (((a) >= (b) || (a) != (a)) ? (a) : (b))
+#define IMIN(a, b) ((a) < (b) ? (a) : (b))
+#define IMAX(a, b) ((a) > (b) ? (a) : (b))
+
+#define FLOAT_KERNEL(NAME, T)                                                          \
+    static void NAME(void *out_, char **srcs, int k, Py_ssize_t count, int op, int n) { \
+        T *out = (T *)out_;                                                            \
+        T acc[BLOCK];                                                                  \
+        for (Py_ssize_t base = 0; base < count; base += BLOCK) {                       \
+            Py_ssize_t m = count - base < BLOCK ? count - base : BLOCK, i;             \
+            memcpy(acc, (T *)srcs[0] + base, (size_t)m * sizeof(T));                   \
+            for (int r = 1; r < k; r++) {                                              \
+                const T *restrict s = (const T *)srcs[r] + base;                       \
+                switch (op) {                                                          \
+                case R_SUM: case R_AVG: for (i = 0; i < m; i++) acc[i] = acc[i] + s[i]; break; \
+                case R_PROD: for (i = 0; i < m; i++) acc[i] = acc[i] * s[i]; break;    \
+                case R_MIN: for (i = 0; i < m; i++) acc[i] = FMIN(acc[i], s[i]); break; \
+                default: for (i = 0; i < m; i++) acc[i] = FMAX(acc[i], s[i]); break;   \
+                }                                                                      \
+            }                                                                          \
+            if (op == R_AVG) {                                                         \
+                const T d = (T)n;                                                      \
+                for (i = 0; i < m; i++) acc[i] = acc[i] / d;                           \
+            }                                                                          \
+            memcpy(out + base, acc, (size_t)m * sizeof(T));                            \
+        }                                                                              \
+    }
+
+#define INT_KERNEL(NAME, T, UT, MT)                                                    \
+    static void NAME(void *out_, char **srcs, int k, Py_ssize_t count, int op, int n) { \
+        T *out = (T *)out_;                                                            \
+        T acc[BLOCK];                                                                  \
+        (void)n;                                                                       \
+        for (Py_ssize_t base = 0; base < count; base += BLOCK) {                       \
+            Py_ssize_t m = count - base < BLOCK ? count - base : BLOCK, i;             \
+            memcpy(acc, (T *)srcs[0] + base, (size_t)m * sizeof(T));                   \
+            for (int r = 1; r < k; r++) {                                              \
+                const T *restrict s = (const T *)srcs[r] + base;                       \
+                switch (op) {                                                          \
+                case R_SUM: for (i = 0; i < m; i++) acc[i] = (T)(UT)((UT)acc[i] + (UT)s[i]); break; \
+                case R_PROD:                                                           \
+                    for (i = 0; i < m; i++) acc[i] = (T)(UT)((MT)(UT)acc[i] * (MT)(UT)s[i]); \
+                    break;                                                             \
+                case R_MIN: for (i = 0; i < m; i++) acc[i] = IMIN(acc[i], s[i]); break; \
+                default: for (i = 0; i < m; i++) acc[i] = IMAX(acc[i], s[i]); break;   \
+                }                                                                      \
+            }                                                                          \
+            memcpy(out + base, acc, (size_t)m * sizeof(T));                            \
+        }                                                                              \
+    }
+
+/* float16 and bfloat16: each step in float32, rounded back to 16 bits (numpy's
+ * half(float(a) + float(b)); ml_dtypes' likewise), the divisor itself a 16-bit value. */
+#define HALF_KERNEL(NAME, TOF, FROMF, MN, MX)                                          \
+    static void NAME(void *out_, char **srcs, int k, Py_ssize_t count, int op, int n) { \
+        uint16_t *out = (uint16_t *)out_;                                              \
+        float acc[BLOCK];                                                              \
+        for (Py_ssize_t base = 0; base < count; base += BLOCK) {                       \
+            Py_ssize_t m = count - base < BLOCK ? count - base : BLOCK, i;             \
+            const uint16_t *s0 = (const uint16_t *)srcs[0] + base;                     \
+            for (i = 0; i < m; i++) acc[i] = TOF(s0[i]);                               \
+            for (int r = 1; r < k; r++) {                                              \
+                const uint16_t *restrict s = (const uint16_t *)srcs[r] + base;         \
+                for (i = 0; i < m; i++) {                                              \
+                    float a = acc[i], b = TOF(s[i]), c;                                \
+                    switch (op) {                                                      \
+                    case R_SUM: case R_AVG: c = a + b; break;                          \
+                    case R_PROD: c = a * b; break;                                     \
+                    case R_MIN: c = MN(a, b); break;                                   \
+                    default: c = MX(a, b); break;                                      \
+                    }                                                                  \
+                    acc[i] = TOF(FROMF(c));                                            \
+                }                                                                      \
+            }                                                                          \
+            if (op == R_AVG) {                                                         \
+                const float d = TOF(FROMF((float)n));                                  \
+                for (i = 0; i < m; i++) acc[i] = acc[i] / d;                           \
+            }                                                                          \
+            for (i = 0; i < m; i++) out[base + i] = FROMF(acc[i]);                     \
+        }                                                                              \
+    }
+
+FLOAT_KERNEL(k_f32, float)
+FLOAT_KERNEL(k_f64, double)
+INT_KERNEL(k_i8, int8_t, uint8_t, uint32_t)
+INT_KERNEL(k_u8, uint8_t, uint8_t, uint32_t)
+INT_KERNEL(k_i16, int16_t, uint16_t, uint32_t)
+INT_KERNEL(k_i32, int32_t, uint32_t, uint32_t)
+INT_KERNEL(k_i64, int64_t, uint64_t, uint64_t)
+HALF_KERNEL(k_f16, h2f, f2h, HMIN, HMAX)
+HALF_KERNEL(k_bf16, b2f, f2b, FMIN, FMAX)
+
+typedef void (*kernel_fn)(void *, char **, int, Py_ssize_t, int, int);
+
+static const struct { kernel_fn fn; int itemsize; } KERNELS[] = {
+    [T_F16] = {k_f16, 2}, [T_BF16] = {k_bf16, 2}, [T_F32] = {k_f32, 4}, [T_F64] = {k_f64, 8},
+    [T_I8] = {k_i8, 1}, [T_U8] = {k_u8, 1}, [T_I16] = {k_i16, 2}, [T_I32] = {k_i32, 4},
+    [T_I64] = {k_i64, 8},
+};
+
+static int check_kernel(int code, int op) {
+    if (code < T_F16 || code > T_I64) {
+        PyErr_Format(PyExc_TypeError, "shm native reduce: no reduction on dtype code %d", code);
+        return -1;
+    }
+    if (op < R_SUM || op > R_MAX || (op == R_AVG && code >= T_I8)) {
+        PyErr_Format(PyExc_ValueError, "shm native reduce: op code %d on dtype code %d",
+                     op, code);
+        return -1;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------- futex */
+static void futex_wait(au32 *addr, uint32_t expected, double seconds) {
+#ifdef __linux__
+    struct timespec ts;
+    if (seconds < 0) seconds = 0;
+    ts.tv_sec = (time_t)seconds;
+    ts.tv_nsec = (long)((seconds - (double)ts.tv_sec) * 1e9);
+    syscall(SYS_futex, (void *)addr, FUTEX_WAIT, expected, &ts, NULL, 0);
+#else
+    struct timespec ts = {0, 50000};
+    (void)addr; (void)expected; (void)seconds;
+    nanosleep(&ts, NULL);
+#endif
+}
+
+static void futex_wake_all(au32 *addr) {
+#ifdef __linux__
+    syscall(SYS_futex, (void *)addr, FUTEX_WAKE, 0x7fffffff, NULL, NULL, 0);
+#else
+    (void)addr;
+#endif
+}
+
+/* ------------------------------------------------------------------------- Group */
+typedef struct {
+    PyObject_HEAD
+    Py_buffer map;          /* the segment's mapping: held, so it cannot be unmapped */
+    char *ctrl, *data;
+    Py_ssize_t chunk;
+    int rank, size, use_futex;
+    uint32_t counter;       /* every ring of this rank: one sequence (no ABA) */
+    double spin_s, yield_s, slice_s;
+} Group;
+
+static inline au64 *word(Group *g, int r, int w) {
+    return (au64 *)(g->ctrl + (Py_ssize_t)r * CTRL_STRIDE + 8 * w);
+}
+static inline au32 *bell(Group *g, int r) {
+    return (au32 *)(g->ctrl + (Py_ssize_t)r * CTRL_STRIDE + BELL_BYTE);
+}
+static inline char *slot(Group *g, int bank, int r) {
+    return g->data + ((Py_ssize_t)bank * g->size + r) * g->chunk;
+}
+
+static int Group_init(Group *g, PyObject *args, PyObject *kw) {
+    PyObject *mm;
+    Py_ssize_t ctrl_off, data_off, chunk;
+    int rank, size, use_futex;
+    double spin_s, yield_s, slice_s;
+    static char *names[] = {"mapping", "ctrl_off", "data_off", "chunk", "rank", "size",
+                            "spin_s", "yield_s", "slice_s", "futex", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "Onnniidddp", names, &mm, &ctrl_off,
+                                     &data_off, &chunk, &rank, &size, &spin_s, &yield_s,
+                                     &slice_s, &use_futex))
+        return -1;
+    if (size < 1 || rank < 0 || rank >= size || chunk <= 0) {
+        PyErr_SetString(PyExc_ValueError, "shm native Group: bad rank, size or chunk");
+        return -1;
+    }
+    if (g->map.obj != NULL) PyBuffer_Release(&g->map);
+    if (PyObject_GetBuffer(mm, &g->map, PyBUF_WRITABLE) < 0) return -1;
+    if (data_off + 2 * (Py_ssize_t)size * chunk > g->map.len ||
+        ctrl_off + (Py_ssize_t)size * CTRL_STRIDE > g->map.len) {
+        PyBuffer_Release(&g->map);
+        PyErr_SetString(PyExc_ValueError, "shm native Group: layout beyond the mapping");
+        return -1;
+    }
+    g->ctrl = (char *)g->map.buf + ctrl_off;
+    g->data = (char *)g->map.buf + data_off;
+    g->chunk = chunk;
+    g->rank = rank;
+    g->size = size;
+    g->spin_s = spin_s;
+    g->yield_s = yield_s;
+    g->slice_s = slice_s;
+    g->use_futex = use_futex;
+    return 0;
+}
+
+static void Group_dealloc(Group *g) {
+    if (g->map.obj != NULL) PyBuffer_Release(&g->map);
+    Py_TYPE(g)->tp_free((PyObject *)g);
+}
+
+/* Ring `ranks` (a bitmask is not enough past 64 ranks: a list of ranks, or -1 for all
+ * peers): new doorbell value, a full fence (the doorbell stores before the sleeper
+ * loads: the sleeper stores its count, then the kernel loads the doorbell), wake. */
+static void ring_ranks(Group *g, const int *ranks, int k) {
+    g->counter = (g->counter + 1) & 0xFFFFFu;
+    uint32_t value = ((uint32_t)(g->rank & 0xFFF) << 20) | g->counter;
+    for (int i = 0; i < k; i++) atomic_store_explicit(bell(g, ranks[i]), value,
+                                                      memory_order_release);
+    if (!g->use_futex) return;
+    atomic_thread_fence(memory_order_seq_cst);
+    for (int i = 0; i < k; i++)
+        if (atomic_load_explicit(word(g, ranks[i], W_SLEEPERS), memory_order_relaxed))
+            futex_wake_all(bell(g, ranks[i]));
+}
+
+static void ring_peers(Group *g) {
+    int stack[64], *peers = stack, k = 0;
+    if (g->size > 64 && !(peers = PyMem_RawMalloc(sizeof(int) * (size_t)g->size))) return;
+    for (int r = 0; r < g->size; r++)
+        if (r != g->rank) peers[k++] = r;
+    ring_ranks(g, peers, k);
+    if (peers != stack) PyMem_RawFree(peers);
+}
+
+/* Sleep on this rank's doorbell while it holds `expected` (GIL released by caller). */
+static void doze(Group *g, uint32_t expected, double seconds) {
+    if (!g->use_futex) {
+        struct timespec ts = {0, (long)(seconds < 1e-3 ? seconds * 1e9 : 1e6)};
+        nanosleep(&ts, NULL);
+        return;
+    }
+    au64 *sleepers = word(g, g->rank, W_SLEEPERS);
+    atomic_fetch_add_explicit(sleepers, 1, memory_order_seq_cst);
+    futex_wait(bell(g, g->rank), expected, seconds);
+    atomic_fetch_sub_explicit(sleepers, 1, memory_order_seq_cst);
+}
+
+static int all_arrived(Group *g, uint64_t q) {
+    for (int r = 0; r < g->size; r++)
+        if (atomic_load_explicit(word(g, r, W_ARRIVED), memory_order_acquire) < q) return 0;
+    return 1;
+}
+
+/* A rank still missing from phase q that failed or closed: Python names it. */
+static int missing_peer_down(Group *g, uint64_t q) {
+    for (int r = 0; r < g->size; r++) {
+        if (atomic_load_explicit(word(g, r, W_ARRIVED), memory_order_acquire) >= q) continue;
+        uint64_t s = atomic_load_explicit(word(g, r, W_STATE), memory_order_acquire);
+        if (s == STATE_FAILED || s == STATE_CLOSED) return 1;
+    }
+    return 0;
+}
+
+/* Wait (GIL released) until every rank arrived at q, at most `budget` seconds: spin,
+ * then sched_yield, then the futex in slices. DONE, BUDGET or PEER. */
+static int wait_phase(Group *g, uint64_t q, double budget) {
+    if (all_arrived(g, q)) return DONE;
+    int status = BUDGET;
+    Py_BEGIN_ALLOW_THREADS
+    double start = now_s(), spin_end = start + g->spin_s;
+    double yield_end = spin_end + g->yield_s, end = start + budget;
+    unsigned spins = 0;
+    for (;;) {
+        uint32_t expected = atomic_load_explicit(bell(g, g->rank), memory_order_acquire);
+        if (all_arrived(g, q)) { status = DONE; break; }
+        double t = now_s();
+        if (t >= spin_end && missing_peer_down(g, q)) { status = PEER; break; }
+        if (t >= end) break;
+        if (t < spin_end) {
+            for (int i = 0; i < 16; i++) cpu_relax();
+            spins++;
+        } else if (t < yield_end) {
+            sched_yield();
+        } else {
+            double left = end - t;
+            doze(g, expected, left < g->slice_s ? left : g->slice_s);
+        }
+    }
+    (void)spins;
+    Py_END_ALLOW_THREADS
+    return status;
+}
+
+static int fingerprints_match(Group *g, uint64_t q, uint64_t fp0, uint64_t fp1) {
+    int w = W_FP + 2 * (int)(q & 1);
+    for (int r = 0; r < g->size; r++)
+        if (atomic_load_explicit(word(g, r, w), memory_order_relaxed) != fp0 ||
+            atomic_load_explicit(word(g, r, w + 1), memory_order_relaxed) != fp1)
+            return 0;
+    return 1;
+}
+
+/* Publish phase q (every store before it is visible first) and ring the others if
+ * this rank is the last to arrive. Two ranks arriving at once both store, fence, load
+ * (Dekker): at least one of them sees everybody and rings. */
+static void arrive(Group *g, uint64_t q) {
+    atomic_store_explicit(word(g, g->rank, W_ARRIVED), q, memory_order_release);
+    atomic_thread_fence(memory_order_seq_cst);
+    if (all_arrived(g, q)) ring_peers(g);
+}
+
+static void store_fp(Group *g, uint64_t q, uint64_t fp0, uint64_t fp1) {
+    int w = W_FP + 2 * (int)(q & 1);
+    atomic_store_explicit(word(g, g->rank, w), fp0, memory_order_relaxed);
+    atomic_store_explicit(word(g, g->rank, w + 1), fp1, memory_order_relaxed);
+}
+
+/* ------------------------------------------------------------------- arguments */
+static int arg_u64(PyObject *o, uint64_t *v) {
+    *v = (uint64_t)PyLong_AsUnsignedLongLongMask(o);
+    return (*v == (uint64_t)-1 && PyErr_Occurred()) ? -1 : 0;
+}
+static int arg_int(PyObject *o, int *v) {
+    long x = PyLong_AsLong(o);
+    if (x == -1 && PyErr_Occurred()) return -1;
+    *v = (int)x;
+    return 0;
+}
+static int arg_double(PyObject *o, double *v) {
+    *v = PyFloat_AsDouble(o);
+    return (*v == -1.0 && PyErr_Occurred()) ? -1 : 0;
+}
+#define NARGS(name, want)                                                          \
+    if (nargs != (want)) {                                                         \
+        PyErr_Format(PyExc_TypeError, "shm native " name ": %d arguments expected", \
+                     (int)(want));                                                 \
+        return NULL;                                                               \
+    }
+
+/* ---------------------------------------------------------------------- methods */
+static PyObject *G_bell(Group *g, PyObject *unused) {
+    return PyLong_FromUnsignedLong(atomic_load_explicit(bell(g, g->rank),
+                                                        memory_order_acquire));
+}
+
+static PyObject *G_sleepers(Group *g, PyObject *unused) {
+    return PyLong_FromUnsignedLongLong(atomic_load_explicit(word(g, g->rank, W_SLEEPERS),
+                                                            memory_order_relaxed));
+}
+
+static PyObject *G_fence(Group *g, PyObject *unused) {
+    atomic_thread_fence(memory_order_seq_cst);
+    Py_RETURN_NONE;
+}
+
+/* ring(ranks): ranks an iterable of ints. */
+static PyObject *G_ring(Group *g, PyObject *ranks) {
+    PyObject *seq = PySequence_Fast(ranks, "shm native ring: a sequence of ranks");
+    if (seq == NULL) return NULL;
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
+    int stack[64], *rs = k <= 64 ? stack : PyMem_Malloc(sizeof(int) * (size_t)k);
+    if (rs == NULL) { Py_DECREF(seq); return PyErr_NoMemory(); }
+    for (Py_ssize_t i = 0; i < k; i++) {
+        long r = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (r < 0 || r >= g->size) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "shm native ring: rank %ld outside the group", r);
+            if (rs != stack) PyMem_Free(rs);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        rs[i] = (int)r;
+    }
+    ring_ranks(g, rs, (int)k);
+    if (rs != stack) PyMem_Free(rs);
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+}
+
+/* sleep(expected, seconds): until the doorbell changes, a wake, or the time is up. */
+static PyObject *G_sleep(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t expected;
+    double seconds;
+    NARGS("sleep", 2);
+    if (arg_u64(args[0], &expected) < 0 || arg_double(args[1], &seconds) < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    doze(g, (uint32_t)expected, seconds);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* arrived(r) / state(r): acquire loads of rank r's words, for Python's peer checks. */
+static PyObject *G_arrived(Group *g, PyObject *r) {
+    int rank;
+    if (arg_int(r, &rank) < 0) return NULL;
+    if (rank < 0 || rank >= g->size) return PyErr_Format(PyExc_ValueError, "bad rank %d", rank);
+    return PyLong_FromUnsignedLongLong(atomic_load_explicit(word(g, rank, W_ARRIVED),
+                                                            memory_order_acquire));
+}
+
+static PyObject *G_state(Group *g, PyObject *r) {
+    int rank;
+    if (arg_int(r, &rank) < 0) return NULL;
+    if (rank < 0 || rank >= g->size) return PyErr_Format(PyExc_ValueError, "bad rank %d", rank);
+    return PyLong_FromUnsignedLongLong(atomic_load_explicit(word(g, rank, W_STATE),
+                                                            memory_order_acquire));
+}
+
+/* exchange(q, fp0, fp1, budget, published) -> status. Unless `published`, publish phase q
+ * (the fingerprints for it are already stored); then wait at most `budget` seconds and
+ * compare everybody's fingerprints with (fp0, fp1). */
+static PyObject *G_exchange(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t q, fp0, fp1;
+    double budget;
+    int published;
+    NARGS("exchange", 5);
+    if (arg_u64(args[0], &q) < 0 || arg_u64(args[1], &fp0) < 0 || arg_u64(args[2], &fp1) < 0
+        || arg_double(args[3], &budget) < 0 || (published = PyObject_IsTrue(args[4])) < 0)
+        return NULL;
+    if (!published) arrive(g, q);
+    int status = wait_phase(g, q, budget);
+    if (status == DONE && !fingerprints_match(g, q, fp0, fp1)) status = MISMATCH;
+    return PyLong_FromLong(status);
+}
+
+static int get_array(PyObject *o, Py_buffer *view, int writable, const char *what) {
+    if (PyObject_GetBuffer(o, view, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "shm native %s: a contiguous%s array expected", what,
+                     writable ? " writable" : "");
+        return -1;
+    }
+    return 0;
+}
+
+/* small_reduce(a, q, fp0, fp1, dtype, op, result, budget, published) -> status.
+ * The one-phase all_reduce/reduce: unless `published`, copy `a` into this rank's slot
+ * of bank q % 2, store the fingerprints and publish q; wait at most `budget` seconds;
+ * once every rank arrived with the same fingerprint, and if `result`, reduce the n slots
+ * in rank order into `a`. */
+static PyObject *G_small_reduce(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t q, fp0, fp1;
+    int code, op, result, published;
+    double budget;
+    Py_buffer a;
+    NARGS("small_reduce", 9);
+    if (arg_u64(args[1], &q) < 0 || arg_u64(args[2], &fp0) < 0 || arg_u64(args[3], &fp1) < 0
+        || arg_int(args[4], &code) < 0 || arg_int(args[5], &op) < 0
+        || (result = PyObject_IsTrue(args[6])) < 0 || arg_double(args[7], &budget) < 0
+        || (published = PyObject_IsTrue(args[8])) < 0)
+        return NULL;
+    if (check_kernel(code, op) < 0) return NULL;
+    if (get_array(args[0], &a, 1, "small_reduce") < 0) return NULL;
+    if (a.len > g->chunk || a.len % KERNELS[code].itemsize) {
+        PyBuffer_Release(&a);
+        return PyErr_Format(PyExc_ValueError, "shm native small_reduce: %zd bytes do not "
+                            "fit a slot of %zd", a.len, g->chunk);
+    }
+    int bank = (int)(q & 1);
+    if (!published) {
+        memcpy(slot(g, bank, g->rank), a.buf, (size_t)a.len);
+        store_fp(g, q, fp0, fp1);
+        arrive(g, q);
+    }
+    int status = wait_phase(g, q, budget);
+    if (status == DONE && !fingerprints_match(g, q, fp0, fp1)) status = MISMATCH;
+    if (status == DONE && result && a.len) {
+        char *stack[16], **srcs = stack;
+        if (g->size > 16 && !(srcs = PyMem_Malloc(sizeof(char *) * (size_t)g->size))) {
+            PyBuffer_Release(&a);
+            return PyErr_NoMemory();
+        }
+        for (int r = 0; r < g->size; r++) srcs[r] = slot(g, bank, r);
+        Py_ssize_t count = a.len / KERNELS[code].itemsize;
+        if (a.len > 16384) {
+            Py_BEGIN_ALLOW_THREADS
+            KERNELS[code].fn(a.buf, srcs, g->size, count, op, g->size);
+            Py_END_ALLOW_THREADS
+        } else {
+            KERNELS[code].fn(a.buf, srcs, g->size, count, op, g->size);
+        }
+        if (srcs != stack) PyMem_Free(srcs);
+    }
+    PyBuffer_Release(&a);
+    return PyLong_FromLong(status);
+}
+
+/* --------------------------------------------------------------- point to point */
+/* The ring src -> dst of channels.py: R bytes at `ring`, head (bytes ever written, by
+ * the sender) and tail (bytes ever consumed, by the receiver) in their own words. A
+ * message is a 32-byte header (tag u64, nbytes u64, dtype u32, magic u32, 8 pad) and
+ * its payload. These two calls move one whole message when it fits (send) or when it is
+ * complete and matches (recv), and otherwise leave everything to the Python engine. */
+static inline au64 *at_u64(Group *g, Py_ssize_t off) {
+    return (au64 *)((char *)g->map.buf + off);
+}
+
+static void ring_write(char *ring, Py_ssize_t R, uint64_t pos, const char *src, Py_ssize_t k) {
+    Py_ssize_t at = (Py_ssize_t)(pos % (uint64_t)R), first = k < R - at ? k : R - at;
+    memcpy(ring + at, src, (size_t)first);
+    if (first < k) memcpy(ring, src + first, (size_t)(k - first));
+}
+
+static void ring_read(const char *ring, Py_ssize_t R, uint64_t pos, char *dst, Py_ssize_t k) {
+    Py_ssize_t at = (Py_ssize_t)(pos % (uint64_t)R), first = k < R - at ? k : R - at;
+    memcpy(dst, ring + at, (size_t)first);
+    if (first < k) memcpy(dst + first, ring, (size_t)(k - first));
+}
+
+static int p2p_offsets(Group *g, Py_ssize_t ring_off, Py_ssize_t R, Py_ssize_t head_off,
+                       Py_ssize_t tail_off) {
+    if (ring_off < 0 || R < 64 || ring_off + R > g->map.len || head_off < 0 || tail_off < 0
+        || head_off + 8 > g->map.len || tail_off + 8 > g->map.len) {
+        PyErr_SetString(PyExc_ValueError, "shm native p2p: ring or counters beyond the mapping");
+        return -1;
+    }
+    return 0;
+}
+
+/* ring_put(ring_off, R, head, head_off, tail_off, tag, dtype, magic, payload) -> the new
+ * head, or -1 if header and payload do not fit the free space now. */
+static PyObject *G_ring_put(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t ring_off, R, head_off, tail_off;
+    uint64_t head, tag, code, magic;
+    Py_buffer p;
+    NARGS("ring_put", 9);
+    if ((ring_off = PyLong_AsSsize_t(args[0])) == -1 && PyErr_Occurred()) return NULL;
+    if ((R = PyLong_AsSsize_t(args[1])) == -1 && PyErr_Occurred()) return NULL;
+    if (arg_u64(args[2], &head) < 0) return NULL;
+    if ((head_off = PyLong_AsSsize_t(args[3])) == -1 && PyErr_Occurred()) return NULL;
+    if ((tail_off = PyLong_AsSsize_t(args[4])) == -1 && PyErr_Occurred()) return NULL;
+    if (arg_u64(args[5], &tag) < 0 || arg_u64(args[6], &code) < 0 || arg_u64(args[7], &magic) < 0)
+        return NULL;
+    if (p2p_offsets(g, ring_off, R, head_off, tail_off) < 0) return NULL;
+    if (get_array(args[8], &p, 0, "ring_put") < 0) return NULL;
+    uint64_t tail = atomic_load_explicit(at_u64(g, tail_off), memory_order_acquire);
+    Py_ssize_t need = 32 + p.len;
+    if ((uint64_t)need > (uint64_t)R - (head - tail)) {
+        PyBuffer_Release(&p);
+        return PyLong_FromLong(-1);
+    }
+    char header[32] = {0};
+    uint64_t nbytes = (uint64_t)p.len;
+    uint32_t code32 = (uint32_t)code, magic32 = (uint32_t)magic;
+    memcpy(header, &tag, 8);
+    memcpy(header + 8, &nbytes, 8);
+    memcpy(header + 16, &code32, 4);
+    memcpy(header + 20, &magic32, 4);
+    char *ring = (char *)g->map.buf + ring_off;
+    ring_write(ring, R, head, header, 32);
+    if (p.len > 65536) {
+        Py_BEGIN_ALLOW_THREADS
+        ring_write(ring, R, head + 32, p.buf, p.len);
+        Py_END_ALLOW_THREADS
+    } else {
+        ring_write(ring, R, head + 32, p.buf, p.len);
+    }
+    PyBuffer_Release(&p);
+    head += (uint64_t)need;
+    atomic_store_explicit(at_u64(g, head_off), head, memory_order_release);
+    return PyLong_FromUnsignedLongLong(head);
+}
+
+/* ring_take(ring_off, R, tail, head_off, tail_off, tag, magic, out) -> the new tail if
+ * the next message is complete, has `tag` and exactly len(out) bytes (copied into out);
+ * -1 otherwise (nothing there yet, another tag, another size, a bad header: the Python
+ * engine decides). */
+static PyObject *G_ring_take(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t ring_off, R, head_off, tail_off;
+    uint64_t tail, tag, magic;
+    Py_buffer out;
+    NARGS("ring_take", 8);
+    if ((ring_off = PyLong_AsSsize_t(args[0])) == -1 && PyErr_Occurred()) return NULL;
+    if ((R = PyLong_AsSsize_t(args[1])) == -1 && PyErr_Occurred()) return NULL;
+    if (arg_u64(args[2], &tail) < 0) return NULL;
+    if ((head_off = PyLong_AsSsize_t(args[3])) == -1 && PyErr_Occurred()) return NULL;
+    if ((tail_off = PyLong_AsSsize_t(args[4])) == -1 && PyErr_Occurred()) return NULL;
+    if (arg_u64(args[5], &tag) < 0 || arg_u64(args[6], &magic) < 0) return NULL;
+    if (p2p_offsets(g, ring_off, R, head_off, tail_off) < 0) return NULL;
+    uint64_t head = atomic_load_explicit(at_u64(g, head_off), memory_order_acquire);
+    if (head - tail < 32) return PyLong_FromLong(-1);
+    const char *ring = (const char *)g->map.buf + ring_off;
+    char header[32];
+    uint64_t mtag, nbytes;
+    uint32_t magic32;
+    ring_read(ring, R, tail, header, 32);
+    memcpy(&mtag, header, 8);
+    memcpy(&nbytes, header + 8, 8);
+    memcpy(&magic32, header + 20, 4);
+    if (magic32 != (uint32_t)magic || mtag != tag || head - tail < 32 + nbytes)
+        return PyLong_FromLong(-1);
+    if (get_array(args[7], &out, 1, "ring_take") < 0) return NULL;
+    if ((uint64_t)out.len != nbytes) {
+        PyBuffer_Release(&out);
+        return PyLong_FromLong(-1);
+    }
+    if (out.len > 65536) {
+        Py_BEGIN_ALLOW_THREADS
+        ring_read(ring, R, tail + 32, out.buf, out.len);
+        Py_END_ALLOW_THREADS
+    } else {
+        ring_read(ring, R, tail + 32, out.buf, out.len);
+    }
+    PyBuffer_Release(&out);
+    tail += 32 + nbytes;
+    atomic_store_explicit(at_u64(g, tail_off), tail, memory_order_release);
+    return PyLong_FromUnsignedLongLong(tail);
+}
+
+/* wait_change(word_off, old, budget) -> DONE once the u64 at word_off differs from old,
+ * BUDGET after `budget` seconds: spin, yield, then sleep on this rank's doorbell (which
+ * whoever changes the word rings), the GIL released. */
+static PyObject *G_wait_change(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t off;
+    uint64_t old;
+    double budget;
+    NARGS("wait_change", 3);
+    if ((off = PyLong_AsSsize_t(args[0])) == -1 && PyErr_Occurred()) return NULL;
+    if (arg_u64(args[1], &old) < 0 || arg_double(args[2], &budget) < 0) return NULL;
+    if (off < 0 || off + 8 > g->map.len) return PyErr_Format(PyExc_ValueError, "bad offset");
+    au64 *w = at_u64(g, off);
+    if (atomic_load_explicit(w, memory_order_acquire) != old) return PyLong_FromLong(DONE);
+    int status = BUDGET;
+    Py_BEGIN_ALLOW_THREADS
+    double start = now_s(), spin_end = start + g->spin_s;
+    double yield_end = spin_end + g->yield_s, end = start + budget;
+    for (;;) {
+        uint32_t expected = atomic_load_explicit(bell(g, g->rank), memory_order_acquire);
+        if (atomic_load_explicit(w, memory_order_acquire) != old) { status = DONE; break; }
+        double t = now_s();
+        if (t >= end) break;
+        if (t < spin_end) {
+            for (int i = 0; i < 16; i++) cpu_relax();
+        } else if (t < yield_end) {
+            sched_yield();
+        } else {
+            double left = end - t;
+            doze(g, expected, left < g->slice_s ? left : g->slice_s);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(status);
+}
+
+static PyMethodDef Group_methods[] = {
+    {"bell", (PyCFunction)G_bell, METH_NOARGS, "This rank's doorbell value."},
+    {"sleepers", (PyCFunction)G_sleepers, METH_NOARGS, "Threads of this rank asleep."},
+    {"fence", (PyCFunction)G_fence, METH_NOARGS, "A full memory barrier."},
+    {"ring", (PyCFunction)G_ring, METH_O, "ring(ranks): new doorbell value, wake sleepers."},
+    {"sleep", (PyCFunction)(void (*)(void))G_sleep, METH_FASTCALL,
+     "sleep(expected, seconds): FUTEX_WAIT on this rank's doorbell, GIL released."},
+    {"arrived", (PyCFunction)G_arrived, METH_O, "arrived(r): rank r's last phase."},
+    {"state", (PyCFunction)G_state, METH_O, "state(r): rank r's state word."},
+    {"exchange", (PyCFunction)(void (*)(void))G_exchange, METH_FASTCALL,
+     "exchange(q, fp0, fp1, budget, published) -> 1 done, 0 budget spent, 2 a missing "
+     "peer failed or closed, 3 fingerprint mismatch."},
+    {"small_reduce", (PyCFunction)(void (*)(void))G_small_reduce, METH_FASTCALL,
+     "small_reduce(a, q, fp0, fp1, dtype, op, result, budget, published) -> status as "
+     "exchange."},
+    {"ring_put", (PyCFunction)(void (*)(void))G_ring_put, METH_FASTCALL,
+     "ring_put(ring_off, R, head, head_off, tail_off, tag, dtype, magic, payload) -> new "
+     "head, or -1 where the message does not fit now."},
+    {"ring_take", (PyCFunction)(void (*)(void))G_ring_take, METH_FASTCALL,
+     "ring_take(ring_off, R, tail, head_off, tail_off, tag, magic, out) -> new tail, or -1 "
+     "unless a complete message of that tag and size is next."},
+    {"wait_change", (PyCFunction)(void (*)(void))G_wait_change, METH_FASTCALL,
+     "wait_change(word_off, old, budget) -> 1 once the word changed, 0 after budget s."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject GroupType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "backends.shm._native.Group",
+    .tp_basicsize = sizeof(Group),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Group(mapping, ctrl_off, data_off, chunk, rank, size, spin_s, yield_s, "
+              "slice_s, futex): one rank's view of a shm group's segment.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Group_init,
+    .tp_dealloc = (destructor)Group_dealloc,
+    .tp_methods = Group_methods,
+};
+
+/* ------------------------------------------------------------- module functions */
+/* combine(out, sources, dtype, op, n): out = sources[0] (op) sources[1] ... in order,
+ * then AVG divides by n; GIL released. `out` may be one of the sources. */
+static PyObject *m_combine(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    int code, op, n;
+    NARGS("combine", 5);
+    if (arg_int(args[2], &code) < 0 || arg_int(args[3], &op) < 0 || arg_int(args[4], &n) < 0)
+        return NULL;
+    if (check_kernel(code, op) < 0) return NULL;
+    PyObject *seq = PySequence_Fast(args[1], "shm native combine: a sequence of arrays");
+    if (seq == NULL) return NULL;
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(seq), i, done = 0;
+    Py_buffer out, stack_views[16], *views = stack_views;
+    char *stack_ptrs[16], **ptrs = stack_ptrs;
+    PyObject *ret = NULL;
+    if (k < 1) {
+        PyErr_SetString(PyExc_ValueError, "shm native combine: no sources");
+        goto end_seq;
+    }
+    if (k > 16) {
+        views = PyMem_Malloc(sizeof(Py_buffer) * (size_t)k);
+        ptrs = PyMem_Malloc(sizeof(char *) * (size_t)k);
+        if (!views || !ptrs) { PyErr_NoMemory(); goto end_alloc; }
+    }
+    if (get_array(args[0], &out, 1, "combine") < 0) goto end_alloc;
+    for (i = 0; i < k; i++, done++) {
+        if (get_array(PySequence_Fast_GET_ITEM(seq, i), &views[i], 0, "combine") < 0)
+            goto end_views;
+        if (views[i].len != out.len) {
+            PyBuffer_Release(&views[i]);
+            PyErr_Format(PyExc_ValueError, "shm native combine: source %zd has %zd bytes, "
+                         "out %zd", i, views[i].len, out.len);
+            goto end_views;
+        }
+        ptrs[i] = views[i].buf;
+    }
+    Py_ssize_t count = out.len / KERNELS[code].itemsize;
+    Py_BEGIN_ALLOW_THREADS
+    KERNELS[code].fn(out.buf, ptrs, (int)k, count, op, n);
+    Py_END_ALLOW_THREADS
+    ret = Py_None;
+    Py_INCREF(ret);
+end_views:
+    for (i = 0; i < done; i++) PyBuffer_Release(&views[i]);
+    PyBuffer_Release(&out);
+end_alloc:
+    if (views != stack_views) PyMem_Free(views);
+    if (ptrs != stack_ptrs) PyMem_Free(ptrs);
+end_seq:
+    Py_DECREF(seq);
+    return ret;
+}
+
+static PyMethodDef module_methods[] = {
+    {"combine", (PyCFunction)(void (*)(void))m_combine, METH_FASTCALL,
+     "combine(out, sources, dtype, op, n): the rank-order reduction, GIL released."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef native_module = {
+    PyModuleDef_HEAD_INIT, "_native",
+    "The compiled hot path of the shm backend (see backends/shm/native.py).", -1,
+    module_methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    if (PyType_Ready(&GroupType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&native_module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&GroupType);
+    if (PyModule_AddObject(m, "Group", (PyObject *)&GroupType) < 0) {
+        Py_DECREF(&GroupType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    /* What this file assumes of segment.py and ops.py; native.py checks it at import. */
+    PyModule_AddObject(m, "LAYOUT", Py_BuildValue("(iiiiii)", CTRL_STRIDE, W_ARRIVED, W_FP,
+                                                  W_STATE, W_SLEEPERS, BELL_BYTE));
+    PyModule_AddObject(m, "DTYPE_CODES", Py_BuildValue(
+        "{sisisisisisisisisisi}", "float16", T_F16, "bfloat16", T_BF16, "float32", T_F32,
+        "float64", T_F64, "int8", T_I8, "uint8", T_U8, "int16", T_I16, "int32", T_I32,
+        "int64", T_I64, "bool", T_BOOL));
+    PyModule_AddObject(m, "REDOP_CODES", Py_BuildValue(
+        "{sisisisisi}", "SUM", R_SUM, "AVG", R_AVG, "PRODUCT", R_PROD, "MIN", R_MIN,
+        "MAX", R_MAX));
+    PyModule_AddIntConstant(m, "DONE", DONE);
+    PyModule_AddIntConstant(m, "BUDGET", BUDGET);
+    PyModule_AddIntConstant(m, "PEER", PEER);
+    PyModule_AddIntConstant(m, "MISMATCH", MISMATCH);
+    return m;
+}

@@ -1,0 +1,129 @@
+"""Which path a shm group takes (the compiled core or pure Python), and how it waits.
+
+The compiled core, ``backends.shm._native`` (``_native.c``), is built by the package's
+own build (``pip install -e .``, or ``python setup.py build_ext --inplace``) where a C
+compiler and the Python headers are present. Where it is missing, the shm backend uses
+its Python path, which speaks the same protocol, and says so once per process.
+``COLLECTIVES_SHM_NATIVE=0`` forces the Python path (``1``, the default, uses the core
+where it exists). ``pg.native`` tells which path a group uses::
+
+    >>> import collectives
+    >>> def which(pg):
+    ...     return pg.native            # True on every rank where the core is loaded
+    >>> collectives.spawn(which, 2, backend="shm")   # doctest: +SKIP
+    [True, True]
+
+The wait policy knows the machine, as MPICH's does: with a core per rank
+(``os.sched_getaffinity`` holds at least as many cores as the group has ranks) a waiter
+spins for 50 us and then polls between ``sched_yield`` calls for 1 ms before it sleeps in
+the kernel, since a futex wake-up costs tens of microseconds on a virtual machine and a
+yield with nothing else to run returns at once; with more ranks than cores (4 ranks on
+2 cores) it spins for 1 us and yields for 50 us, so the ranks that have work get the
+CPU. ``COLLECTIVES_SHM_SPIN_US`` / ``COLLECTIVES_SHM_YIELD_US`` override both;
+``python benchmarks/shm_wait_policy.py [--nproc N]`` times several side by side.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from types import ModuleType
+from typing import Optional
+
+from collectives.environment import env_number
+
+#: ``0`` forces the Python path; anything else uses the compiled core where it exists.
+NATIVE_ENV = "COLLECTIVES_SHM_NATIVE"
+SPIN_ENV = "COLLECTIVES_SHM_SPIN_US"
+YIELD_ENV = "COLLECTIVES_SHM_YIELD_US"
+
+#: (spin, yield) microseconds: with a core per rank, and oversubscribed.
+DEDICATED_WAIT_US = (50, 1000)
+OVERSUBSCRIBED_WAIT_US = (1, 50)
+
+_module: Optional[ModuleType] = None
+_load_error: Optional[str] = None
+_loaded = False
+_warned = False
+
+
+def _load() -> Optional[ModuleType]:
+    """Import the core once and check that it agrees with the Python layout."""
+    global _module, _load_error, _loaded
+    if _loaded:
+        return _module
+    _loaded = True
+    try:
+        from . import _native as mod
+    except ImportError as exc:
+        _load_error = f"{exc} (build it with `pip install -e .` or " \
+                      f"`python setup.py build_ext --inplace`)"
+        return None
+    from . import segment as sg
+    from .ops import _DTYPE_CODE, _REDOP_CODE, dtype_name
+    layout = (sg.CTRL_STRIDE, sg.W_ARRIVED, sg.W_FP, sg.W_STATE, sg.W_SLEEPERS, sg.BELL_BYTE)
+    codes = {dtype_name(c): c for c in _DTYPE_CODE.values()}
+    redops = {op.name: c for op, c in _REDOP_CODE.items()}
+    if tuple(mod.LAYOUT) != layout or dict(mod.DTYPE_CODES) != codes or \
+            dict(mod.REDOP_CODES) != redops:
+        _load_error = (f"it was built for another layout ({mod.LAYOUT}, {mod.DTYPE_CODES}) "
+                       f"than this package's ({layout}, {codes}): rebuild it")
+        return None
+    _module = mod
+    return mod
+
+
+def native_module() -> Optional[ModuleType]:
+    """The compiled core, or None: forced off by ``COLLECTIVES_SHM_NATIVE=0``, or missing
+    (then a warning, once per process, says why)."""
+    global _warned
+    if os.environ.get(NATIVE_ENV, "1").strip() == "0":
+        return None
+    mod = _load()
+    if mod is None and not _warned:
+        _warned = True
+        warnings.warn(f"shm backend: the compiled core backends.shm._native is not "
+                      f"available ({_load_error}); using the Python path (set "
+                      f"{NATIVE_ENV}=0 to choose it and silence this)", RuntimeWarning,
+                      stacklevel=3)
+    return mod
+
+
+def load_error() -> Optional[str]:
+    """Why the compiled core could not be loaded (None if it was, or was not tried)."""
+    _load()
+    return _load_error
+
+
+def wait_policy(size: int) -> tuple[float, float]:
+    """(spin, yield) seconds of a waiter before it sleeps in the kernel, for a group of
+    ``size`` ranks on this host: long with a core per rank, short when oversubscribed.
+
+    >>> spin, yld = wait_policy(1)
+    >>> spin > 0 and yld > 0
+    True
+    """
+    spin_us, yield_us = DEDICATED_WAIT_US if host_cores() >= size else OVERSUBSCRIBED_WAIT_US
+    return env_number(SPIN_ENV, spin_us) * 1e-6, env_number(YIELD_ENV, yield_us) * 1e-6
+
+
+def host_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class NativeDoorbells:
+    """``futex.Doorbells``' interface over the core: one ring counter for the whole
+    group and an atomic count of this rank's sleepers (the Python class's count lives in
+    the process; both must not be mixed in one group, so a native group uses only this)."""
+
+    def __init__(self, core, mode: str) -> None:
+        self.mode = mode
+        self.current = core.bell
+        self.fence = core.fence
+        self.ring = core.ring
+        self.local_sleepers = core.sleepers
+        self.sleep = core.sleep

@@ -1,0 +1,187 @@
+"""The shm group's hot paths over the compiled core (``_native.c``).
+
+Mixed into ``ShmGroup``. When a group's core is loaded, :meth:`NativePaths._use_native`
+binds the native versions of the phase exchange and of the one-phase reduce over the
+Python ones *on the instance*, so the Python path pays nothing for this file and a
+native group runs exactly the protocol of ``ops``/``reduce``: same slots, same
+fingerprints, same phases, same errors. What differs is who does the work: one C call
+publishes a phase (release order), waits for it (spin, yield, futex; the GIL released)
+and checks the fingerprints; the small reduce copies, publishes, waits and reduces in
+one call. The C wait never raises: it returns after at most ``_LIVENESS_EVERY`` seconds,
+or at once when a missing peer failed or closed, and Python raises what it raises today
+(``CollectiveTimeout``, ``PeerError``, ``CollectiveMismatch``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import numpy as np
+
+from collectives.errors import CollectiveError, CollectiveTimeout
+from collectives.reduce_op import ReduceOp
+
+from . import segment as sg
+from .channels import RecvOp
+from .native import NativeDoorbells, native_module, wait_policy
+from .ops import _DTYPE_CODE, _REDOP_BY_ID
+
+#: Longest single C wait: the deadline and the peers' pids are checked in between.
+_LIVENESS_EVERY = 0.1
+#: Longest single futex sleep inside a C wait.
+_SLICE = 0.2
+
+
+class NativePaths:
+    """The native ``_exchange`` and ``_small_reduce`` (bound by ``_use_native``)."""
+
+    _native = None   # the core's Group for this rank, or None on the Python path
+    _native_combine = None   # the core's rank-order reduction (GIL released), or None
+
+    @property
+    def native(self) -> bool:
+        """Whether this group runs on the compiled core (False: the Python path, because
+        the core is missing or ``COLLECTIVES_SHM_NATIVE=0``)."""
+        return self._native is not None
+
+    def _use_native(self) -> None:
+        """Called by ``ShmGroup.__init__`` before the point-to-point engine is made:
+        load the core for this group and bind the native paths, or leave everything
+        as it is (the Python path)."""
+        spin, yld = wait_policy(self.size)
+        self._spin_s, self._yield_s = spin, yld
+        mod = native_module() if self.size > 1 else None
+        if mod is None:
+            return
+        lay, seg = self._layout, self._seg
+        mode = self._bells.mode
+        self._native = mod.Group(seg.mm, lay.ctrl_off, lay.data_off, lay.chunk, self.rank,
+                                 self.size, spin, yld, _SLICE, mode == "futex")
+        self._bells = NativeDoorbells(self._native, mode)
+        self._DONE, self._MISMATCH = mod.DONE, mod.MISMATCH
+        self._exchange = self._exchange_native
+        self._small_reduce = self._small_reduce_native
+        self._p2p_wait = self._p2p_wait_native
+        self._native_combine = mod.combine
+
+    # ---------------------------------------------------------------- waiting
+    def _exchange_native(self, q: int) -> None:
+        """``ops._exchange`` in one C call: publish q, wait, compare fingerprints."""
+        core = self._native
+        fp0, fp1 = self._fp0, self._fp1
+        if self._engine.pending:   # point to point in flight: the Python wait moves it
+            status = core.exchange(q, fp0, fp1, 0.0, False)
+        else:
+            status = core.exchange(q, fp0, fp1, min(_LIVENESS_EVERY, self.timeout), False)
+        if status != self._DONE:
+            status = self._settle(q, lambda budget: core.exchange(q, fp0, fp1, budget, True),
+                                  status)
+        if status == self._MISMATCH:
+            self._mismatch(q)
+
+    def _settle(self, q: int, again, status: int) -> int:
+        """Keep waiting for phase q (``again(budget)`` waits at most ``budget`` seconds
+        and returns the core's status) until it is done or mismatched, and raise, as
+        the Python path does, for a missing peer that failed, closed or died, or when
+        the group's timeout passes."""
+        core, timeout = self._native, self.timeout
+        deadline = time.monotonic() + timeout - min(_LIVENESS_EVERY, timeout)
+        last_pid_check = time.monotonic()
+        while status != self._DONE and status != self._MISMATCH:
+            if self._engine.pending:
+                self._await_slow(q)   # the Python wait, which also moves p2p traffic
+                return again(0.0)
+            now = time.monotonic()
+            check_pid = now - last_pid_check >= _LIVENESS_EVERY
+            if check_pid:
+                last_pid_check = now
+            for r in range(self.size):
+                if core.arrived(r) < q:
+                    # done() after the state was read: fence, then an acquire load.
+                    self._check_peer(r, self._op_name, self._op_seq, check_pid=check_pid,
+                                     done=lambda r=r: (core.fence(), core.arrived(r) >= q)[1])
+            now = time.monotonic()
+            if now >= deadline:
+                missing = [r for r in range(self.size) if core.arrived(r) < q]
+                if missing:
+                    raise CollectiveTimeout(
+                        f"{self._where(self._op_name)} (seq {self._op_seq}): timed out "
+                        f"after {timeout:g} s waiting for ranks {missing} (phase {q}); "
+                        f"they did not arrive", op=self._op_name, seq=self._op_seq,
+                        missing=missing)
+            status = again(max(0.0, min(_LIVENESS_EVERY, deadline - now)))
+        return status
+
+    def _p2p_wait_native(self, op, timeout: Optional[float], what: str, peer: int) -> None:
+        """``ShmGroup._p2p_wait`` for the common case of one receive in flight: sleep in
+        C until the ring from ``peer`` moves, instead of polling from Python. Anything
+        else (a send waiting for room, several operations in flight) takes the Python
+        wait, which moves every pending operation of this rank."""
+        engine = self._engine
+        if op.done or peer == self.rank or not isinstance(op, RecvOp) or engine.pending != 1:
+            return type(self)._p2p_wait(self, op, timeout, what, peer)
+        core, u64 = self._native, self._u64
+        head_idx = engine._in_head[peer]
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        last_pid_check = time.monotonic()
+        while True:
+            head = u64[head_idx]
+            with engine.lock:
+                if not op.done and not engine.closed and not engine.take_posted_locked(op):
+                    if not engine.progress_locked(drain=False) and not op.done:
+                        engine.progress_locked(drain=True)
+            if op.done:
+                break
+            if engine.closed:
+                raise CollectiveError(f"{self._where(what)}: the group was closed")
+            if engine.pending != 1:      # another thread posted meanwhile
+                return type(self)._p2p_wait(self, op, timeout, what, peer)
+            now = time.monotonic()
+            if core.wait_change(8 * head_idx, head,
+                                max(0.0, min(_LIVENESS_EVERY, deadline - now))) == self._DONE:
+                continue
+            now = time.monotonic()
+            check_pid = now - last_pid_check >= _LIVENESS_EVERY
+            if check_pid:
+                last_pid_check = now
+            self._check_peer(peer, what, -1, fatal_states=(sg.STATE_CLOSED,),
+                             check_pid=check_pid, done=lambda: self._progress_once(op))
+            if op.done:
+                break
+            if now >= deadline:
+                raise CollectiveTimeout(
+                    f"{self._where(what)}: timed out after {limit:g} s; rank {peer} did "
+                    f"not send it", op=what, missing=[peer])
+        if op.error is not None:
+            raise op.error
+
+    # ----------------------------------------------------------------- reduce
+    def _small_reduce_native(self, a: np.ndarray, op: ReduceOp, seq: int, dst: int,
+                             opcode: int) -> None:
+        """``reduce._small_reduce`` in one C call: copy in, publish, wait, check, and
+        reduce the n slots in rank order into ``a`` (where the result is wanted)."""
+        if self._broken is not None or self._seg is None:
+            self._start(opcode, seq)  # raises the group's error
+        self._op_name = "all_reduce" if dst < 0 else "reduce"
+        self._op_seq = seq
+        code = _DTYPE_CODE.get(a.dtype, 0)
+        redop = _REDOP_BY_ID.get(id(op), 0)
+        fp0 = self._fp0 = (opcode | (redop << 4) | (code << 8)
+                           | (((dst + 1) & 0xFFFF) << 16) | ((seq & 0xFFFFFFFF) << 32))
+        nbytes = self._fp1 = a.nbytes
+        q = self._phase = self._phase + 1
+        want = dst < 0 or dst == self.rank
+        core = self._native
+        budget = 0.0 if self._engine.pending else min(_LIVENESS_EVERY, self.timeout)
+        status = core.small_reduce(a, q, fp0, nbytes, code, redop, want, budget, False)
+        if status != self._DONE:
+            status = self._settle(
+                q, lambda b: core.small_reduce(a, q, fp0, nbytes, code, redop, want, b, True),
+                status)
+        if status == self._MISMATCH:
+            self._mismatch(q)
+
+
+__all__ = ["NativePaths"]

@@ -1,0 +1,318 @@
+"""The compiled core of the shm backend (backends/shm/_native.c) and its fallback.
+
+In-process: the core's reductions against numpy's (bitwise, every dtype and operator,
+float16/bfloat16 over all 65536 bit patterns), the loader (missing core: one warning,
+Python path; ``COLLECTIVES_SHM_NATIVE=0``), the wait policy. One spawned job runs both
+paths side by side, and a group whose ranks mix them, and checks that a thread of the
+rank runs while the core waits and reduces. The build: a wheel with a compiler holds the
+core, one without a compiler still builds. The conformance suite runs shm on both paths
+(``shm`` and ``shm-py`` in tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import warnings
+import zipfile
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import collectives
+from collectives import ReduceOp
+from collectives.reduce_op import reduce_arrays
+
+from backends.shm import native
+from backends.shm.ops import _DTYPE_CODE, _REDOP_CODE
+
+ROOT = Path(__file__).resolve().parents[1]
+
+try:
+    from backends.shm import _native
+except ImportError:  # the suite still runs; these tests say what is missing
+    _native = None
+
+needs_core = pytest.mark.skipif(_native is None, reason="backends.shm._native is not built "
+                                "(python setup.py build_ext --inplace)")
+
+FLOATS = ["float16", "bfloat16", "float32", "float64"]
+INTS = ["int8", "uint8", "int16", "int32", "int64"]
+
+
+def _dtype(name: str) -> np.dtype:
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def _ops(name: str) -> list[ReduceOp]:
+    return [op for op in ReduceOp if not (op is ReduceOp.AVG and name in INTS)]
+
+
+def _values(dt: np.dtype, n: int, rng: np.random.Generator) -> np.ndarray:
+    """Random values of ``dt`` with the awkward ones mixed in (NaN, inf, -0, tiny)."""
+    if dt.kind in "iu":
+        info = np.iinfo(dt)
+        return rng.integers(info.min, info.max, n, endpoint=True, dtype=dt)
+    x = (rng.standard_normal(n) * rng.choice([1e-6, 1.0, 300.0, 6e4], n)).astype(np.float32)
+    special = np.array([np.nan, np.inf, -np.inf, -0.0, 0.0, 1e-7, 6.5e4], np.float32)
+    mask = rng.random(n) < 0.1
+    x[mask] = rng.choice(special, int(mask.sum()))
+    with np.errstate(over="ignore"):    # to float16: large values become inf, as meant
+        return x.astype(dt)
+
+
+def _same(got: np.ndarray, expected: np.ndarray) -> bool:
+    """Bitwise equal, except that a NaN may be any NaN (payloads are not specified)."""
+    if got.dtype.kind in "iu":
+        return got.tobytes() == expected.tobytes()
+    g, e = got.astype(np.float64), expected.astype(np.float64)
+    nan = np.isnan(g)
+    if not np.array_equal(nan, np.isnan(e)):
+        return False
+    return got[~nan].tobytes() == expected[~nan].tobytes()
+
+
+def _combine(op: ReduceOp, inputs: list[np.ndarray], out: np.ndarray = None) -> np.ndarray:
+    out = np.empty_like(inputs[0]) if out is None else out
+    _native.combine(out, inputs, _DTYPE_CODE[inputs[0].dtype], _REDOP_CODE[op], len(inputs))
+    return out
+
+
+# --------------------------------------------------------------------- reductions
+@needs_core
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(FLOATS + INTS), k=st.integers(1, 5), n=st.integers(0, 2600),
+       seed=st.integers(0, 2**32 - 1), data=st.data())
+def test_combine_is_numpys_rank_order_reduction(name, k, n, seed, data):
+    dt = _dtype(name)
+    op = data.draw(st.sampled_from(_ops(name)))
+    rng = np.random.default_rng(seed)
+    inputs = [_values(dt, n, rng) for _ in range(k)]
+    with np.errstate(all="ignore"):
+        expected = reduce_arrays(op, inputs)
+    assert _same(_combine(op, inputs), expected), (name, op.name, k, n)
+    # The output may be the first source (the small reduce's slots are not, but the
+    # kernel promises it).
+    first = inputs[0].copy()
+    assert _same(_combine(op, [first] + inputs[1:], out=first), expected)
+
+
+@needs_core
+@pytest.mark.parametrize("name", ["float16", "bfloat16"])
+def test_16_bit_floats_round_as_numpy_over_every_bit_pattern(name):
+    dt = _dtype(name)
+    a = np.arange(1 << 16, dtype=np.uint16).view(dt)
+    b = np.random.default_rng(7).permutation(a.view(np.uint16)).view(dt)
+    with np.errstate(all="ignore"):
+        for op in ReduceOp:
+            for inputs in ([a, b], [b, a, b]):
+                assert _same(_combine(op, inputs), reduce_arrays(op, inputs)), (name, op)
+
+
+@needs_core
+def test_combine_refuses_bad_input_with_typed_errors():
+    x = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="op code"):
+        _native.combine(x, [x, x], _DTYPE_CODE[x.dtype], _REDOP_CODE[ReduceOp.AVG] + 10, 2)
+    with pytest.raises(ValueError, match="op code"):   # AVG on integers
+        i = np.zeros(4, np.int32)
+        _native.combine(i, [i, i], _DTYPE_CODE[i.dtype], _REDOP_CODE[ReduceOp.AVG], 2)
+    with pytest.raises(TypeError, match="dtype code"):
+        b = np.zeros(4, np.bool_)
+        _native.combine(b, [b, b], _DTYPE_CODE[b.dtype], _REDOP_CODE[ReduceOp.SUM], 2)
+    with pytest.raises(ValueError, match="source 1 has 8 bytes"):
+        _native.combine(x, [x, x[:2]], _DTYPE_CODE[x.dtype], 1, 2)
+    with pytest.raises(TypeError, match="writable"):
+        ro = np.zeros(4, np.float32)
+        ro.flags.writeable = False
+        _native.combine(ro, [x, x], _DTYPE_CODE[x.dtype], 1, 2)
+
+
+# ------------------------------------------------------------------ loader, policy
+@pytest.fixture
+def fresh_loader(monkeypatch):
+    """The loader as in a new process (nothing loaded, nothing warned)."""
+    for name, value in (("_module", None), ("_load_error", None), ("_loaded", False),
+                        ("_warned", False)):
+        monkeypatch.setattr(native, name, value)
+    monkeypatch.delenv(native.NATIVE_ENV, raising=False)
+    return monkeypatch
+
+
+def test_a_missing_core_warns_once_and_falls_back(fresh_loader):
+    import backends.shm
+    fresh_loader.setitem(sys.modules, "backends.shm._native", None)  # import fails
+    fresh_loader.delattr(backends.shm, "_native", raising=False)
+    with pytest.warns(RuntimeWarning, match="not available .* using the Python path"):
+        assert native.native_module() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native.native_module() is None      # once per process
+    assert "build it with" in native.load_error()
+
+
+def test_the_environment_variable_forces_the_python_path(fresh_loader):
+    fresh_loader.setenv(native.NATIVE_ENV, "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")              # chosen, so no warning
+        assert native.native_module() is None
+    fresh_loader.setenv(native.NATIVE_ENV, "1")
+    assert (native.native_module() is None) == (_native is None)
+
+
+def test_the_wait_policy_follows_the_cores(monkeypatch):
+    monkeypatch.delenv(native.SPIN_ENV, raising=False)
+    monkeypatch.delenv(native.YIELD_ENV, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    dedicated = tuple(x * 1e-6 for x in native.DEDICATED_WAIT_US)
+    over = tuple(x * 1e-6 for x in native.OVERSUBSCRIBED_WAIT_US)
+    assert native.wait_policy(2) == dedicated
+    assert native.wait_policy(4) == over
+    assert over[0] < dedicated[0] and over[1] < dedicated[1]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert native.wait_policy(4) == dedicated
+    monkeypatch.setenv(native.SPIN_ENV, "7")
+    monkeypatch.setenv(native.YIELD_ENV, "9")
+    assert native.wait_policy(4) == (7e-6, 9e-6)
+
+
+# -------------------------------------------------------------- both paths at once
+def _case_inputs(rank: int):
+    """(name, op, array) for every dtype and operator, small (one phase) and large
+    (pipelined: several 64 KiB slots)."""
+    for name in FLOATS + INTS:
+        for op in _ops(name):
+            for n in (1, 33, 40_000):
+                rng = np.random.default_rng([rank, n, len(name), list(ReduceOp).index(op)])
+                yield name, op, _values(_dtype(name), n, rng)
+
+
+def _both_paths_job() -> dict:
+    pg = collectives.init_process_group()
+    me = pg.rank
+    os.environ[native.NATIVE_ENV] = "0"
+    python = pg.new_group([0, 1])                     # Python path on both ranks
+    os.environ[native.NATIVE_ENV] = "1" if me == 0 else "0"
+    mixed = pg.new_group([0, 1])                      # rank 0 native, rank 1 Python
+    del os.environ[native.NATIVE_ENV]
+    out = {"native": [pg.native, python.native, mixed.native], "bad": []}
+    with np.errstate(all="ignore"):
+        for name, op, x in _case_inputs(me):
+            results = []
+            for g in (pg, python, mixed):
+                y = x.copy()
+                g.all_reduce(y, op=op)
+                results.append(y)
+            if not all(_same(r, results[0]) for r in results[1:]):
+                out["bad"].append(f"all_reduce {name} {op.name} n={x.size}")
+            halves = []
+            for g in (pg, python, mixed):
+                z = np.empty(x.size // 2, x.dtype)
+                g.reduce_scatter(z, x[:2 * z.size].copy(), op=op)
+                halves.append(z)
+            if not all(_same(h, halves[0]) for h in halves[1:]):
+                out["bad"].append(f"reduce_scatter {name} {op.name} n={x.size}")
+    out["digest"] = [results[0].tobytes().hex()[:32]]
+    # Point to point between every pair of paths: tags out of order (a message set
+    # aside as unexpected), one larger than the ring (streamed by the Python engine),
+    # and the reply, whose receive is usually posted before the message comes.
+    for g in (pg, python, mixed):
+        msgs = {1: np.arange(3, dtype=np.float32), 2: np.arange(5000, dtype=np.int64),
+                3: np.arange(300_000, dtype=np.float64)}
+        if me == 0:
+            for tag in (1, 2, 3):
+                g.send(msgs[tag], 1, tag=tag)
+            back = np.empty(7, np.int16)
+            g.recv(back, 1, tag=9)
+            ok = np.array_equal(back, np.arange(7, dtype=np.int16) * 3)
+        else:
+            got = {tag: np.empty_like(m) for tag, m in msgs.items()}
+            for tag in (2, 3, 1):
+                g.recv(got[tag], 0, tag=tag)
+            time.sleep(0.05)
+            g.send(np.arange(7, dtype=np.int16) * 3, 0, tag=9)
+            ok = all(np.array_equal(got[t], msgs[t]) for t in msgs)
+        if not ok:
+            out["bad"].append(f"point to point on the group with native={g.native}")
+    # A thread of this rank runs while the core waits (the peer comes 0.3 s late) and
+    # while it moves a large message: the GIL is released in both.
+    counts = []
+    for size, late in ((1, 0.3), (8 << 20, 0.0)):
+        stop, ticks = threading.Event(), [0]
+
+        def spin():
+            while not stop.is_set():
+                ticks[0] += 1
+        t = threading.Thread(target=spin)
+        x = np.ones(size, np.float32)
+        pg.barrier()
+        if me == 1:
+            time.sleep(late)
+        t.start()
+        time.sleep(0.01)
+        before = ticks[0]
+        pg.all_reduce(x)
+        counts.append(ticks[0] - before)
+        stop.set()
+        t.join()
+        out["bad"] += [] if x[0] == 2 else [f"all_reduce of {size} gave {x[0]}"]
+    out["ticks"] = counts
+    for g in (mixed, python):
+        g.close()
+    pg.close()
+    return out
+
+
+@needs_core
+def test_native_python_and_mixed_groups_agree_bitwise_and_talk():
+    results = collectives.spawn(_both_paths_job, 2, backend="shm", timeout=60,
+                                env={"COLLECTIVES_SHM_CHUNK_BYTES": "65536"})
+    assert results[0]["native"] == [True, False, True]
+    assert results[1]["native"] == [True, False, False]
+    for r, res in enumerate(results):
+        assert not res["bad"], f"rank {r}: {res['bad']}"
+    assert results[0]["digest"] == results[1]["digest"]
+    # rank 0 waited 0.3 s for rank 1: its thread ran meanwhile (a held GIL would give it
+    # a few switch intervals at most)
+    assert results[0]["ticks"][0] > 10_000, results[0]["ticks"]
+    assert all(res["ticks"][1] > 0 for res in results), [res["ticks"] for res in results]
+
+
+# --------------------------------------------------------------------------- build
+def _copy_tree(dst: Path) -> None:
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    for name in files:
+        if (ROOT / name).is_file():
+            (dst / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dst / name)
+
+
+def _wheel(src: Path, out: Path, env: dict) -> tuple[list[str], str]:
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps",
+                           "--no-build-isolation", "-v", "-w", str(out)],
+                          cwd=src, env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (wheel,) = out.glob("*.whl")
+    return zipfile.ZipFile(wheel).namelist(), proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(),
+                    reason="needs the git checkout")
+def test_the_build_makes_the_core_and_survives_without_a_compiler(tmp_path):
+    _copy_tree(tmp_path / "src")
+    names, _ = _wheel(tmp_path / "src", tmp_path / "with", {})
+    assert any(n.startswith("backends/shm/_native") and n.endswith(".so") for n in names)
+    shutil.rmtree(tmp_path / "src" / "build", ignore_errors=True)
+    names, log = _wheel(tmp_path / "src", tmp_path / "without", {"CC": "/bin/false"})
+    assert not any(n.endswith(".so") for n in names)
+    assert "the compiled shm core (backends.shm._native) was not built" in log
