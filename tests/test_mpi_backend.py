@@ -55,7 +55,16 @@ def _run(command: list, timeout: float = JOB_TIMEOUT) -> subprocess.CompletedPro
 def _reports(proc: subprocess.CompletedProcess, n: int) -> list[dict]:
     """The JSON line of every rank, in rank order."""
     assert proc.returncode == 0, f"exit code {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    # mpiexec forwards each rank's stdout on its own, so one rank's line can land in the
+    # middle of another's line: read every object that starts with {"rank", wherever.
+    decoder, lines, out, at = json.JSONDecoder(), [], proc.stdout, proc.stdout.find('{"rank"')
+    while at >= 0:
+        try:
+            report, end = decoder.raw_decode(out, at)
+            lines.append(report)
+        except json.JSONDecodeError:
+            end = at + 1      # cut by another rank's output; its rank shows as missing
+        at = out.find('{"rank"', end)
     assert sorted(d["rank"] for d in lines) == list(range(n)), proc.stdout + proc.stderr
     return sorted(lines, key=lambda d: d["rank"])
 

@@ -176,15 +176,17 @@ def test_spawned_job(transport, nproc):
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
-def test_ops_and_ddp_under_mpiexec():
+def test_ops_and_ddp_under_mpiexec(tmp_path):
     """The op checks and DDP against gloo, two ranks started by mpiexec, transport mpi
-    (sub-groups are MPI communicators there)."""
-    proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(JOB), "ops"], cwd=ROOT,
+    (sub-groups are MPI communicators there). The ranks report through files: mpiexec
+    may interleave their stdout lines."""
+    proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(JOB), "ops",
+                           str(tmp_path)], cwd=ROOT,
                           env=_clean_env(COLLECTIVES_BACKEND="mpi"), capture_output=True,
                           text=True, timeout=180, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    results = sorted((json.loads(line) for line in proc.stdout.splitlines()
-                      if line.startswith("{")), key=lambda d: d["rank"])
+    results = sorted((json.loads(f.read_text()) for f in tmp_path.glob("rank*.json")),
+                     key=lambda d: d["rank"])
     assert [d["rank"] for d in results] == [0, 1], proc.stdout + proc.stderr
     for r, res in enumerate(results):
         assert res["ops"] == _expected_ops(2, r), (r, res["ops"])

@@ -348,4 +348,8 @@ def wrappers_job(init_here: bool = True) -> dict:
 if __name__ == "__main__":
     job = {"ddp": ddp_job, "ops": lambda: ops_job(mismatch=False),
            "wrappers": wrappers_job}[sys.argv[1]]
-    print(json.dumps(job()), flush=True)
+    result = json.dumps(job())
+    if len(sys.argv) > 2:     # a folder: one file per rank (a launcher may interleave the
+        from pathlib import Path      # ranks' stdout within a line)
+        Path(sys.argv[2], f"rank{json.loads(result)['rank']}.json").write_text(result)
+    print(result, flush=True)
