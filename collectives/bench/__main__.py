@@ -34,11 +34,11 @@ def parse_size(text: str) -> int:
     """
     m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).upper() not in _SUFFIX:
-        raise argparse.ArgumentTypeError(f"argument --sizes: {text!r} is not a size like "
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like "
                                          f"4, 4K, 1M or 64M")
     value = int(m.group(1)) * _SUFFIX[m.group(2).upper()]
     if value < 1:
-        raise argparse.ArgumentTypeError(f"argument --sizes: {text!r} must be at least 1 byte")
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1 byte")
     return value
 
 
@@ -52,7 +52,7 @@ def _ops(text: str) -> list[str]:
     ops = [o.strip() for o in text.split(",") if o.strip()]
     unknown = [o for o in ops if o not in OPS]
     if unknown or not ops:
-        raise argparse.ArgumentTypeError(f"argument --ops: unknown {unknown or text!r}; "
+        raise argparse.ArgumentTypeError(f"unknown {unknown or text!r}; "
                                          f"choose from {', '.join(OPS)} or 'all'")
     return list(dict.fromkeys(ops))
 
