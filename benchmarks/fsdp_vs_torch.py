@@ -43,7 +43,9 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import collectives  # noqa: E402
-from benchmarks.mpi_jobs import run_under_mpiexec, unavailable  # noqa: E402
+from benchmarks.mpi_jobs import (add_run_options, parse_run_options,  # noqa: E402
+                                 report_from_rank_0, run_rounds, run_under_mpiexec,
+                                 unavailable)
 from examples.common.harness import build_mlp  # noqa: E402
 from examples.common.mnist import load_mnist  # noqa: E402
 
@@ -119,9 +121,7 @@ def run_mpi(n: int, work: tuple, timeout: float) -> list:
 
 
 def _mpi_rank(work_json: str) -> int:
-    result = run_ours("mpi", *json.loads(work_json))
-    if collectives.detect_rendezvous().rank == 0:
-        print(f"RESULT {json.dumps(result)}", flush=True)
+    report_from_rank_0("RESULT", json.dumps(run_ours("mpi", *json.loads(work_json))))
     return 0
 
 
@@ -130,19 +130,10 @@ def main() -> int:
     p.add_argument("--world", default="2", help="world sizes, comma separated")
     p.add_argument("--backends", default="shm,zmq,gloo,mpi",
                    help="backends for parallel.FSDP, comma separated")
-    p.add_argument("--batch-size", type=int, default=BATCH, help="per rank")
-    p.add_argument("--steps", type=int, default=200, help="timed steps per run")
-    p.add_argument("--warmup", type=int, default=20, help="untimed steps before them")
-    p.add_argument("--threads", type=int, default=1, help="compute threads per rank")
-    p.add_argument("--repeat", type=int, default=3, help="runs per case (median reported)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
-    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
-    p.add_argument("--mpi-rank", help=argparse.SUPPRESS)
-    a = p.parse_args()
+    add_run_options(p, batch=BATCH, steps=200)
+    a = parse_run_options(p)
     if a.mpi_rank:
         return _mpi_rank(a.mpi_rank)
-    if a.repeat < 1 or a.steps < 1:
-        p.error("--repeat and --steps must be at least 1")
 
     worlds = [int(v) for v in a.world.split(",") if v]
     cases: list[tuple[str, str, int]] = []
@@ -160,19 +151,17 @@ def main() -> int:
           f"thread(s)/rank, median of {a.repeat} runs; load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
 
-    results: dict[tuple, list[list]] = {case: [] for case in cases}
-    for _ in range(a.repeat):  # round by round: every case once per round
-        for case in cases:
-            impl, backend, n = case
-            if impl == "torch FSDP2":
-                res = collectives.spawn(run_torch, n, args=work, env=env,
-                                        join_timeout=a.timeout)[0]
-            elif backend == "mpi":
-                res = run_mpi(n, work, a.timeout)
-            else:
-                res = collectives.spawn(run_ours, n, args=(backend, *work), env=env,
-                                        join_timeout=a.timeout)[0]
-            results[case].append(res)
+    def run_case(case: tuple) -> list:
+        impl, backend, n = case
+        if impl == "torch FSDP2":
+            return collectives.spawn(run_torch, n, args=work, env=env,
+                                     join_timeout=a.timeout)[0]
+        if backend == "mpi":
+            return run_mpi(n, work, a.timeout)
+        return collectives.spawn(run_ours, n, args=(backend, *work), env=env,
+                                 join_timeout=a.timeout)[0]
+
+    results = run_rounds(cases, a.repeat, run_case)
 
     rows = []
     for (impl, backend, n), runs in results.items():

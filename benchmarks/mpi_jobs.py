@@ -1,6 +1,7 @@
-"""What the training benchmarks share for their mpi runs: each starts itself under
-``mpiexec`` with ``--mpi-rank WORK_JSON``, and rank 0 prints one tagged line with its
-result (``SECONDS 1.23`` or ``RESULT {...}``) for the parent to read.
+"""What the training benchmarks share: their common options, the rounds of runs, and
+their mpi runs: each starts itself under ``mpiexec`` with ``--mpi-rank WORK_JSON``, and
+rank 0 prints one tagged line with its result (``SECONDS 1.23`` or ``RESULT {...}``) for
+the parent to read.
 
     payload = run_under_mpiexec(__file__, 2, work, timeout=600, tag="SECONDS",
                                 threads=work[0])
@@ -8,11 +9,12 @@ result (``SECONDS 1.23`` or ``RESULT {...}``) for the parent to read.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import collectives
 from collectives.mpiexec import MpiexecUnavailable, find_mpiexec
@@ -57,3 +59,44 @@ def run_under_mpiexec(script: str, n: int, work: tuple, *, timeout: float, tag: 
         raise RuntimeError(f"{' '.join(command)} exited with code {proc.returncode}:\n"
                            f"{(proc.stdout + proc.stderr)[-3000:]}")
     return found[-1][len(tag) + 1:]
+
+
+# ------------------------------------------------------------------ the training runs
+def add_run_options(p: argparse.ArgumentParser, *, batch: int, steps: int,
+                    bucket_help: Optional[str] = None) -> None:
+    """The options every training benchmark takes beside ``--world`` and its case list:
+    batch, steps, warm-up, threads, (DDP's) bucket size, repeats, timeout, JSON file, and
+    the hidden ``--mpi-rank`` of its mpiexec ranks."""
+    p.add_argument("--batch-size", type=int, default=batch, help="per rank")
+    p.add_argument("--steps", type=int, default=steps, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=20, help="untimed steps before them")
+    p.add_argument("--threads", type=int, default=1, help="compute threads per rank")
+    if bucket_help is not None:
+        p.add_argument("--bucket-cap-mb", type=float, default=25.0, help=bucket_help)
+    p.add_argument("--repeat", type=int, default=3, help="runs per case (median reported)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
+    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    p.add_argument("--mpi-rank", help=argparse.SUPPRESS)
+
+
+def parse_run_options(p: argparse.ArgumentParser) -> argparse.Namespace:
+    a = p.parse_args()
+    if not a.mpi_rank and (a.repeat < 1 or a.steps < 1):
+        p.error("--repeat and --steps must be at least 1")
+    return a
+
+
+def report_from_rank_0(tag: str, text: str) -> None:
+    """The mpiexec job's answer: rank 0 prints ``TAG text`` for :func:`run_under_mpiexec`."""
+    if collectives.detect_rendezvous().rank == 0:
+        print(f"{tag} {text}", flush=True)
+
+
+def run_rounds(cases: list, repeat: int, run_case: Callable[[tuple], Any]) -> dict:
+    """``case -> [result of each run]``, round by round (every case once per round), so
+    that the machine's changing load hits the cases alike."""
+    results: dict = {case: [] for case in cases}
+    for _ in range(repeat):
+        for case in cases:
+            results[case].append(run_case(case))
+    return results

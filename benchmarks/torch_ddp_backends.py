@@ -39,7 +39,9 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import collectives  # noqa: E402
-from benchmarks.mpi_jobs import run_under_mpiexec, unavailable  # noqa: E402
+from benchmarks.mpi_jobs import (add_run_options, parse_run_options,  # noqa: E402
+                                 report_from_rank_0, run_rounds, run_under_mpiexec,
+                                 unavailable)
 from collectives.spawn import free_port  # noqa: E402
 from examples.common.harness import build_mlp  # noqa: E402
 from examples.common.mnist import load_mnist  # noqa: E402
@@ -90,9 +92,8 @@ def run_mpi(n: int, work: tuple, timeout: float) -> float:
 
 
 def _mpi_rank(work_json: str) -> int:
-    seconds = run_rank("collectives", "mpi", *json.loads(work_json))
-    if collectives.detect_rendezvous().rank == 0:
-        print(f"SECONDS {seconds!r}", flush=True)
+    report_from_rank_0("SECONDS",
+                       repr(run_rank("collectives", "mpi", *json.loads(work_json))))
     return 0
 
 
@@ -101,21 +102,11 @@ def main() -> int:
     p.add_argument("--world", default="2", help="world sizes, comma separated")
     p.add_argument("--transports", default="shm,zmq,mpi",
                    help="our transports under the collectives backend, comma separated")
-    p.add_argument("--batch-size", type=int, default=BATCH, help="per rank")
-    p.add_argument("--steps", type=int, default=300, help="timed steps per run")
-    p.add_argument("--warmup", type=int, default=20, help="untimed steps before them")
-    p.add_argument("--threads", type=int, default=1, help="compute threads per rank")
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0,
-                   help="DDP's gradient bucket size (torch's default)")
-    p.add_argument("--repeat", type=int, default=3, help="runs per case (median reported)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
-    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
-    p.add_argument("--mpi-rank", help=argparse.SUPPRESS)
-    a = p.parse_args()
+    add_run_options(p, batch=BATCH, steps=300,
+                    bucket_help="DDP's gradient bucket size (torch's default)")
+    a = parse_run_options(p)
     if a.mpi_rank:
         return _mpi_rank(a.mpi_rank)
-    if a.repeat < 1 or a.steps < 1:
-        p.error("--repeat and --steps must be at least 1")
 
     worlds = [int(v) for v in a.world.split(",") if v]
     cases: list[tuple[str, str, int]] = []
@@ -133,16 +124,14 @@ def main() -> int:
           f"thread(s)/rank, buckets of {a.bucket_cap_mb} MiB, median of {a.repeat} runs; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
 
-    times: dict[tuple, list[float]] = {case: [] for case in cases}
-    for _ in range(a.repeat):
-        for case in cases:
-            backend, transport, n = case
-            if transport == "mpi":
-                seconds = run_mpi(n, work, a.timeout)
-            else:
-                seconds = collectives.spawn(run_rank, n, args=(backend, transport, *work),
-                                            env=env, join_timeout=a.timeout)[0]
-            times[case].append(seconds)
+    def run_case(case: tuple) -> float:
+        backend, transport, n = case
+        if transport == "mpi":
+            return run_mpi(n, work, a.timeout)
+        return collectives.spawn(run_rank, n, args=(backend, transport, *work), env=env,
+                                 join_timeout=a.timeout)[0]
+
+    times = run_rounds(cases, a.repeat, run_case)
 
     rows = []
     for (backend, transport, n), runs in times.items():

@@ -53,7 +53,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .arguments import check_group, check_module
+from .arguments import check_group, check_module, check_same_replicas
 from .bucket import Bucket, assign_buckets
 
 __all__ = ["DDP", "DistributedDataParallel"]
@@ -111,7 +111,7 @@ class DistributedDataParallel(nn.Module):
                 raise TypeError(f"{self._where}: parameter {name!r} is "
                                 f"{'complex' if p.is_complex() else 'sparse'}; only dense "
                                 f"real parameters are supported")
-        self._check_same_replicas(named)
+        check_same_replicas(group, named, self._where)
         self._broadcast_state([p for _, p in named] + list(module.buffers()))
 
         trainable = [p for _, p in named if p.requires_grad]
@@ -133,21 +133,6 @@ class DistributedDataParallel(nn.Module):
         self._next_launch = 0
 
     # ------------------------------------------------------------------ construction
-    def _check_same_replicas(self, named: list) -> None:
-        """Every rank must hold the same parameters, or the broadcast and the buckets would
-        silently pair different tensors. Everyone sees every signature, so everyone raises."""
-        if self.group.size == 1:
-            return
-        mine = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in named]
-        everyone = self.group.all_gather_object(mine)
-        for rank, theirs in enumerate(everyone):
-            if theirs != everyone[0]:
-                diff = next((f"{a} vs {b}" for a, b in zip(everyone[0], theirs) if a != b),
-                            f"{len(everyone[0])} vs {len(theirs)} parameters")
-                raise ValueError(f"{self._where}: the replicas differ: rank 0 and rank "
-                                 f"{rank} hold different parameters (first difference: "
-                                 f"{diff})")
-
     @torch.no_grad()
     def _broadcast_state(self, tensors: list) -> None:
         """Copy rank 0's values into ``tensors`` on every rank, a few flat messages per

@@ -35,7 +35,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from ..arguments import check_group, check_module
+from ..arguments import check_group, check_module, check_same_replicas
 from ..ddp import _collect, _graph_task_id, _replace
 from . import checkpoint, state_dict
 from .flat_param import FlatParam, detach_parameters
@@ -113,7 +113,7 @@ class FullyShardedDataParallel(nn.Module):
         compute_dtype = param_dtype or torch.float32
 
         self._state_dict_keys = list(module.state_dict().keys())
-        self._check_same_replicas(module)
+        check_same_replicas(group, module.named_parameters(), where)
         found, self._frozen = assign_parameters(module, predicate, where)
         broadcast_tensors(group, list(module.parameters()) + list(module.buffers()))
         self._meter = FullParamMeter()
@@ -142,20 +142,6 @@ class FullyShardedDataParallel(nn.Module):
         self._plan: Optional[BackwardPlan] = None
         self._pass_sync: Optional[bool] = None
         self._pass_task: Optional[int] = None
-
-    def _check_same_replicas(self, module: nn.Module) -> None:
-        if self.group.size == 1:
-            return
-        mine = [(n, tuple(p.shape), str(p.dtype), p.requires_grad)
-                for n, p in module.named_parameters()]
-        everyone = self.group.all_gather_object(mine)
-        for rank, theirs in enumerate(everyone):
-            if theirs != everyone[0]:
-                diff = next((f"{a} vs {b}" for a, b in zip(everyone[0], theirs) if a != b),
-                            f"{len(everyone[0])} vs {len(theirs)} parameters")
-                raise ValueError(f"{self._where}: the replicas differ: rank 0 and rank "
-                                 f"{rank} hold different parameters (first difference: "
-                                 f"{diff})")
 
     # ----------------------------------------------------------------------- forward
     def _cast(self, obj: Any) -> Any:
