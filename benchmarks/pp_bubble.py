@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -36,59 +35,10 @@ from collectives.testing.threads import run_threads  # noqa: E402
 from parallel.pp import (PipelineStage, Schedule1F1B, ScheduleGPipe,  # noqa: E402
                          ScheduleInterleaved1F1B, ScheduleZeroBubble, idle_fraction,
                          pipeline_bubble, replay)
+from parallel.pp.sleepy import SleepyMul, sleepy_costs  # noqa: E402
 
 RUNTIMES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
             "interleaved": ScheduleInterleaved1F1B, "zb": ScheduleZeroBubble}
-
-
-class _SleepInput(torch.autograd.Function):
-    """x * w, the gradient of x only; forward and backward sleep ``t``."""
-
-    @staticmethod
-    def forward(ctx, x, w, t):
-        ctx.t = t
-        ctx.save_for_backward(w)
-        time.sleep(t)
-        return x * w
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.t)
-        return grad * ctx.saved_tensors[0], None, None
-
-
-class _SleepWeight(torch.autograd.Function):
-    """x * w, the gradient of w only; backward sleeps ``t``."""
-
-    @staticmethod
-    def forward(ctx, x, w, t):
-        ctx.t = t
-        ctx.save_for_backward(x)
-        return x * w
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.t)
-        return None, (grad * ctx.saved_tensors[0]).sum(0), None
-
-
-class SleepyMul(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.t, self.w = 0.0, nn.Parameter(torch.ones(4))
-
-    def forward(self, x):
-        w = self.w
-        return (_SleepInput.apply(x, w.detach(), self.t)
-                + _SleepWeight.apply(x.detach(), w, self.t) - (x * w).detach())
-
-
-def cost(split: bool):
-    def of(action) -> float:
-        if action.kind == "B":
-            return (1.0 if split else 2.0) - (0.5 if action.stage == 0 else 0.0)
-        return 1.0
-    return of
 
 
 def rank(pg, name: str, M: int, unit_s: float):
@@ -128,7 +78,7 @@ def main() -> None:
         finally:
             gc.enable()
         timelines, schedule, S = [r[0] for r in res], res[0][1], res[0][2]
-        ideal = replay(schedule, S, cost(name == "zb"))
+        ideal = replay(schedule, S, sleepy_costs(name == "zb"))
         span = max(e for t in timelines for _, _, e in t) - min(s for t in timelines
                                                                 for _, s, _ in t)
         ideal_span = max(e for t in ideal for _, _, e in t) * args.unit_ms

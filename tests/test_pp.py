@@ -36,6 +36,7 @@ from parallel.pp import (SCHEDULES, Action, PipelineStage, Schedule1F1B, Schedul
                          interleaved_1f1b, lower, one_f_one_b, parse_action,
                          pipeline_bubble, replay, simulate, split_sequential, text_grid,
                          timeline_from_trace, zb_h1)
+from parallel.pp.sleepy import SleepyMul, sleepy_costs
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNTIMES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "zb": ScheduleZeroBubble,
@@ -337,67 +338,12 @@ def test_1f1b_holds_at_most_p_microbatches_gpipe_holds_m():
         assert [p["1f1b"] for p in peaks] == [P - r for r in range(P)]
 
 
-class _SleepIn(torch.autograd.Function):
-    """x * w with the gradient of x only; forward and backward sleep ``t`` (a sleeping
-    thread does not compete for the 2 cores: the timings hold on a loaded machine)."""
-
-    @staticmethod
-    def forward(ctx, x, w, t):
-        ctx.t = t
-        ctx.save_for_backward(w)
-        time.sleep(t)
-        return x * w
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.t)
-        return grad * ctx.saved_tensors[0], None, None
-
-
-class _SleepW(torch.autograd.Function):
-    """x * w with the gradient of w only; its backward sleeps ``t``."""
-
-    @staticmethod
-    def forward(ctx, x, w, t):
-        ctx.t = t
-        ctx.save_for_backward(x)
-        return x * w
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.t)
-        return None, (grad * ctx.saved_tensors[0]).sum(0), None
-
-
-class _SleepyMul(nn.Module):
-    """x * w costing t forward, t for the input gradient, t for the weight gradient."""
-
-    def __init__(self, t: float) -> None:
-        super().__init__()
-        self.t, self.w = t, nn.Parameter(torch.ones(4))
-
-    def forward(self, x):
-        w = self.w
-        return (_SleepIn.apply(x, w.detach(), self.t) + _SleepW.apply(x.detach(), w, self.t)
-                - (x * w).detach())
-
-
-def _cost(split: bool):
-    """The test stages' costs in units of 2t: F 1; B 2 (B 1 and W 1 when split); the first
-    stage's first layer has no input gradient: its B is 1.5 (0.5 split)."""
-    def cost(a) -> float:
-        if a.kind == "B":
-            return (1.0 if split else 2.0) - (0.5 if a.stage == 0 else 0.0)
-        return 1.0
-    return cost
-
-
 def check_idle(pg, t: float = 0.015, M: int = 8) -> dict:
     out = {}
     for name in RUNTIMES:
         V = 2 if name == "interleaved" else 1
         S = pg.size * V
-        layers = [nn.Sequential(_SleepyMul(0.0), _SleepyMul(0.0)) for _ in range(V)]
+        layers = [nn.Sequential(SleepyMul(0.0), SleepyMul(0.0)) for _ in range(V)]
         stages = [PipelineStage(layers[s // pg.size], pg, s, S)
                   for s in range(pg.rank, S, pg.size)]
         sched = RUNTIMES[name](stages if V > 1 else stages[0], M,
@@ -426,7 +372,7 @@ def test_measured_bubble_matches_theory():
     for name in RUNTIMES:
         S = P * (2 if name == "interleaved" else 1)
         timelines = [r[name][0] for r in per_rank]
-        ideal = replay(per_rank[0][name][1], S, _cost(name == "zb"))
+        ideal = replay(per_rank[0][name][1], S, sleepy_costs(name == "zb"))
         measured[name] = (pipeline_bubble(timelines), idle_fraction(timelines))
         theory[name] = (pipeline_bubble(ideal), idle_fraction(ideal))
     for name in RUNTIMES:   # margins for 4 threads' sleeps on 2 loaded cores
