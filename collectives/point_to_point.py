@@ -7,7 +7,7 @@ group); each call still goes into the flight record.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from .buffers import HostBuffer
 from .running import _CommitOnWait, _RecordedWork
@@ -25,30 +25,25 @@ class PointToPointCalls:
 
         Rank 0: ``pg.isend(t, dst=1).wait()``; rank 1: ``pg.recv(t, src=0)``.
         """
-        return self._start_send("isend", tensor, dst, tag)
-
-    def _start_send(self, op: str, tensor: Tensor, dst: Any, tag: Any) -> Work:
-        w = self._where(op)
-        self._check_tensor(tensor, "tensor", w)
-        dst = self._check_rank(dst, "dst", w, allow_self=False)
-        tag = self._check_tag(tag, w)
-        buf = self._to_host(tensor, where=w, arg="tensor", write=False)
-        return self._post_p2p(op, lambda: self._isend(buf.array, dst, tag), buf, dst)
+        return self._start_p2p("isend", tensor, dst, tag, send=True)
 
     def irecv(self, tensor: Tensor, src: int, tag: int = 0) -> Work:
         """Start receiving into ``tensor`` from ``src``; wait on the Work before use.
 
         Rank 0: ``pg.send(t, dst=1)``; rank 1: ``w = pg.irecv(t, src=0); w.wait()``.
         """
-        return self._start_recv("irecv", tensor, src, tag)
+        return self._start_p2p("irecv", tensor, src, tag, send=False)
 
-    def _start_recv(self, op: str, tensor: Tensor, src: Any, tag: Any) -> Work:
+    def _start_p2p(self, op: str, tensor: Tensor, peer: Any, tag: Any, *,
+                   send: bool) -> Work:
+        """Check a send's (``dst``) or receive's (``src``) arguments and post it."""
         w = self._where(op)
         self._check_tensor(tensor, "tensor", w)
-        src = self._check_rank(src, "src", w, allow_self=False)
+        peer = self._check_rank(peer, "dst" if send else "src", w, allow_self=False)
         tag = self._check_tag(tag, w)
-        buf = self._to_host(tensor, where=w, arg="tensor", write=True)
-        return self._post_p2p(op, lambda: self._irecv(buf.array, src, tag), buf, src)
+        buf = self._to_host(tensor, where=w, arg="tensor", write=not send)
+        hook = self._isend if send else self._irecv
+        return self._post_p2p(op, lambda: hook(buf.array, peer, tag), buf, peer)
 
     def _post_p2p(self, op: str, post: Callable[[], Work], buf: HostBuffer, peer: int) -> Work:
         """Post a send or receive; the Work writes a staged receive back and keeps the
@@ -69,8 +64,8 @@ class PointToPointCalls:
 
         Rank 0: ``pg.send(t, dst=1)``; rank 1: ``pg.recv(t, src=0)``.
         """
-        self._start_send("send", tensor, dst, tag).wait()
+        self._start_p2p("send", tensor, dst, tag, send=True).wait()
 
     def recv(self, tensor: Tensor, src: int, tag: int = 0) -> None:
         """Receive into ``tensor`` (same shape and dtype as the sender's) from ``src``."""
-        self._start_recv("recv", tensor, src, tag).wait()
+        self._start_p2p("recv", tensor, src, tag, send=False).wait()
