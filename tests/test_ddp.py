@@ -507,13 +507,16 @@ def test_example_reaches_accuracy(nproc):
 
 
 def test_parallel_imports_no_transport():
-    """parallel/ is written against the interface only (read its imports: importing torch
-    loads torch.distributed anyway, so sys.modules cannot tell)."""
+    """parallel/ (DDP, FSDP, TP, PP, the mesh: every file) is written against the
+    interface only (read its imports: importing torch loads torch.distributed anyway, so
+    sys.modules cannot tell)."""
     forbidden = ("backends", "zmq", "mpi4py", "torch.distributed")
-    for path in sorted((ROOT / "parallel").glob("*.py")):
+    paths = sorted((ROOT / "parallel").rglob("*.py"))
+    assert {p.parent.name for p in paths} >= {"parallel", "fsdp", "tp", "pp"}, paths
+    for path in paths:
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                      [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             for name in names:
                 assert not any(name == f or name.startswith(f + ".") for f in forbidden), \
-                    f"{path.name} imports {name}"
+                    f"{path.relative_to(ROOT)} imports {name}"
