@@ -100,8 +100,8 @@ class HostViews:
             return None
         _init_torch_table(torch)
         dt = _TORCH_TO_NUMPY.get(obj.dtype)
-        if dt is None or id(dt) not in _DTYPE_IDS or not obj.is_cpu or not obj.is_contiguous() or obj.is_neg() \
-                or obj.is_conj():
+        if (dt is None or id(dt) not in _DTYPE_IDS or not obj.is_cpu
+                or not obj.is_contiguous() or obj.is_neg() or obj.is_conj()):
             return None
         host = obj.detach()
         if dt.name == "bfloat16":

@@ -9,8 +9,8 @@ How it works, module by module:
   ``os.link``; everyone maps it and marks itself attached; the name is unlinked as soon as
   all are attached, so nothing is left in /dev/shm even after a SIGKILL.
 - ``futex``: waiting. Spin, ``sched_yield`` for a while (how long: ``native.wait_policy``,
-  by the cores per rank), then sleep in the kernel on this rank's doorbell word (FUTEX_WAIT, in slices of at most
-  200 ms, so deadlines and peer liveness are checked). ``COLLECTIVES_SHM_WAIT=sleep``
+  by the cores per rank), then sleep in the kernel on this rank's doorbell word
+  (FUTEX_WAIT, in slices of at most 200 ms, so deadlines and peer liveness are checked). ``COLLECTIVES_SHM_WAIT=sleep``
   replaces the futex with sleeps growing to 1 ms.
 - ``ops``: the collectives, a phase protocol over two banks of per-rank slots (no atomics:
   every shared word has one writer). Messages larger than a slot are chunked, so any size

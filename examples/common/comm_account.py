@@ -79,6 +79,15 @@ class CountingGroup:
         return counted
 
 
+def _timed_wait(waitable: Any, owner: CountingGroup, timeout: Optional[float]) -> Any:
+    """``waitable.wait(timeout)``, the time blocked in it added to ``owner.seconds``."""
+    start = time.perf_counter()
+    try:
+        return waitable.wait(timeout)
+    finally:
+        owner.seconds += time.perf_counter() - start
+
+
 class _TimedWork:
     """A Work whose ``wait`` adds the time blocked in it to the group's ``seconds``."""
 
@@ -86,11 +95,7 @@ class _TimedWork:
         self._work, self._owner = work, owner
 
     def wait(self, timeout: Optional[float] = None) -> Any:
-        start = time.perf_counter()
-        try:
-            return self._work.wait(timeout)
-        finally:
-            self._owner.seconds += time.perf_counter() - start
+        return _timed_wait(self._work, self._owner, timeout)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
@@ -119,11 +124,7 @@ class _CountedRequest:
     def wait(self, timeout: Optional[float] = None) -> Any:
         if not self._counted:
             return self._request.wait(timeout)
-        start = time.perf_counter()
-        try:
-            return self._request.wait(timeout)
-        finally:
-            self._owner.seconds += time.perf_counter() - start
+        return _timed_wait(self._request, self._owner, timeout)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._request, name)

@@ -239,14 +239,15 @@ class FullyShardedDataParallel(nn.Module):
         task = _graph_task_id()
         if self._pass_sync is None or task != self._pass_task:
             self._begin_backward(sync, task)
+        # The root's outputs (unit None) come first: its backward needs its parameters
+        # too. After one forward they are still there, but with several forwards ahead of
+        # their backwards (micro-batches in a pipeline, under no_sync) an earlier pass
+        # freed them when their gradient was complete, and they are gathered again.
+        root = self._root_unit
+        if unit is None and root is not None and root.ran_forward:
+            unit = root
         if unit is not None:
             self._plan.before_unit(unit)
-        elif self._root_unit is not None and self._root_unit.ran_forward:
-            # The root's backward needs its parameters. After one forward they are still
-            # there, but with several forwards ahead of their backwards (micro-batches in
-            # a pipeline, under no_sync) an earlier pass freed them when their gradient
-            # was complete: gather them again (a no-op when they are there).
-            self._root_unit.wait_unshard(install=False)
 
     def _begin_backward(self, sync: bool, task: Optional[int]) -> None:
         if self._plan is not None:

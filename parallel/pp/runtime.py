@@ -97,9 +97,11 @@ class PipelineSchedule:
         raise NotImplementedError
 
     def _check_gradient_sync(self) -> None:
-        """Stage modules with ``no_sync()`` synchronise in micro-batch M-1's backward, so it
-        must be the last backward of their stage (see the module docstring)."""
+        """Note the stages whose modules have ``no_sync()`` (``self._syncing``): they
+        synchronise in micro-batch M-1's backward, so it must be the last backward of their
+        stage (see the module docstring)."""
         syncing = [s for s, st in self.stages.items() if hasattr(st.module, "no_sync")]
+        self._syncing = frozenset(syncing)
         if syncing and self._split:
             raise ValueError(f"{self._where}: stage {syncing[0]}'s module "
                              f"({type(self.stages[syncing[0]].module).__name__}) synchronises "
@@ -161,7 +163,7 @@ class PipelineSchedule:
             inp = self._wait_recv(Action(s, RECV_F, m))
         start = time.time()
         stage = self.stages[s]
-        if m < self.n_microbatches - 1 and hasattr(stage.module, "no_sync"):
+        if m < self.n_microbatches - 1 and s in self._syncing:
             with stage.module.no_sync():      # averaged once, in micro-batch M-1's backward
                 out = stage.forward(m, inp)
         else:
