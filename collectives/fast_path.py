@@ -1,6 +1,7 @@
 """The base class's fast path (mixed into :class:`~collectives.group.ProcessGroup`): a
 blocking collective on a contiguous CPU tensor or array, checked, numbered, recorded and
-handed to its hook in about a microsecond.
+handed to its hook in about a microsecond; and a blocking ``send``/``recv``, checked,
+recorded and handed to the backend's ``_send_now``/``_recv_now`` (:mod:`collectives.hooks`).
 
 The general path (:mod:`collectives.collective_calls`, :mod:`collectives.running`) checks
 every argument, builds a :class:`~collectives.buffers.HostBuffer`, a closure and a flight
@@ -120,7 +121,7 @@ class HostViews:
 
 
 class FastPath:
-    """``_fast_host`` and ``_fast_run``; needs the state ``ProcessGroup.__init__`` sets
+    """``_fast_run`` and ``_fast_p2p``; needs the state ``ProcessGroup.__init__`` sets
     up (``_fast`` says whether this group may use the path at all)."""
 
     _fast: bool
@@ -143,9 +144,33 @@ class FastPath:
         try:
             hook(flat, arg, seq)
         except BaseException as exc:
-            rec = [seq, op, shape, flat.dtype, root, reduce_op, -1, t0, None, "running"]
-            recorder.append(rec)
-            self._record_failure(rec, exc)
+            self._fast_failed((seq, op, shape, flat.dtype, root, reduce_op, -1, t0), exc)
             raise
         recorder.append((seq, op, shape, flat.dtype, root, reduce_op, -1, t0, _time(), "ok"))
         return None
+
+    def _fast_p2p(self, op: str, hook: Callable[[np.ndarray, int, int], None],
+                  flat: np.ndarray, peer: int, tag: int, shape: Any) -> None:
+        """A blocking send or receive: ``hook(flat, peer, tag)`` (``_send_now`` or
+        ``_recv_now``) inline, recorded as ``_post_p2p`` records it (not numbered)."""
+        if self._closed:
+            raise CollectiveError(f"{self._where(op)}: the group is closed")
+        recorder = self._recorder
+        if recorder is None:
+            hook(flat, peer, tag)
+            return None
+        t0 = _time()
+        try:
+            hook(flat, peer, tag)
+        except BaseException as exc:
+            self._fast_failed((-1, op, shape, flat.dtype, -1, None, peer, t0), exc)
+            raise
+        recorder.append((-1, op, shape, flat.dtype, -1, None, peer, t0, _time(), "ok"))
+        return None
+
+    def _fast_failed(self, started: tuple, exc: BaseException) -> None:
+        """Record a fast call that raised (``started``: its record up to the start time)
+        as the general path would, and dump the ring."""
+        rec = [*started, None, "running"]
+        self._recorder.append(rec)
+        self._record_failure(rec, exc)

@@ -132,6 +132,15 @@ class ProcessGroup(PointToPointCalls, CollectiveCalls, PersistentCalls, ObjectCa
     def _irecv(self, array: np.ndarray, src: int, tag: int) -> Work:
         """Start receiving into the C-contiguous ``array`` from ``src`` with ``tag``."""
 
+    def _send_now(self, array: np.ndarray, dst: int, tag: int) -> None:
+        """A blocking send of the fast path (``pg.send`` of contiguous CPU memory): return
+        once ``array`` may be reused. A backend with a cheaper blocking send overrides it."""
+        self._isend(array, dst, tag).wait()
+
+    def _recv_now(self, array: np.ndarray, src: int, tag: int) -> None:
+        """A blocking receive of the fast path: return once ``array`` holds the message."""
+        self._irecv(array, src, tag).wait()
+
     @abc.abstractmethod
     def _barrier(self, seq: int) -> None:
         """Return once every rank of the group entered the barrier."""

@@ -11,6 +11,12 @@ Transport hooks (every backend implements these three)
     send completes even if the receive is posted later. Tags are ints in ``[0, 2**63)``:
     user tags below ``2**31``, the library's own above (``collectives.algorithms.links``).
     ``_barrier(seq) -> None`` returns once every rank entered barrier ``seq``.
+    ``_send_now(array, dst, tag) -> None`` and ``_recv_now(array, src, tag) -> None``
+    (optional; the defaults wait on ``_isend``/``_irecv``) are the blocking ``send`` and
+    ``recv`` of the fast path (:mod:`collectives.fast_path`): same arguments, already
+    checked (``dst``/``src`` a peer, not this rank; a user tag), and the same guarantees
+    on return. A backend overrides them where one call can do what a posted operation
+    and its wait do (shm: one C call moves the message when its ring is free).
 
 Collective hooks (optional: the defaults run :mod:`collectives.algorithms` over the
 transport hooks)

@@ -259,6 +259,11 @@ typedef struct {
     int rank, size, use_futex;
     uint32_t counter;       /* every ring of this rank: one sequence (no ABA) */
     double spin_s, yield_s, slice_s;
+    /* Point to point, bound once by bind_p2p (byte offsets into the mapping, per peer):
+     * the rings this rank writes and reads, and their head and tail words. */
+    Py_ssize_t ring_bytes;
+    Py_ssize_t *p2p;        /* 6 x size: out ring, in ring, out head, out tail, in head, in tail */
+    uint32_t magic;
 } Group;
 
 static inline au64 *word(Group *g, int r, int w) {
@@ -308,6 +313,7 @@ static int Group_init(Group *g, PyObject *args, PyObject *kw) {
 
 static void Group_dealloc(Group *g) {
     if (g->map.obj != NULL) PyBuffer_Release(&g->map);
+    PyMem_Free(g->p2p);
     Py_TYPE(g)->tp_free((PyObject *)g);
 }
 
@@ -348,6 +354,21 @@ static void doze(Group *g, uint32_t expected, double seconds) {
     atomic_fetch_sub_explicit(sleepers, 1, memory_order_seq_cst);
 }
 
+/* One step of every wait of this file at time t (GIL released by the caller): spin until
+ * spin_end, then sched_yield until yield_end, then sleep on the doorbell (still holding
+ * `expected`, read before the waiter's last check) in slices, at most until end. */
+static void backoff(Group *g, double t, double spin_end, double yield_end, double end,
+                    uint32_t expected) {
+    if (t < spin_end) {
+        for (int i = 0; i < 16; i++) cpu_relax();
+    } else if (t < yield_end) {
+        sched_yield();
+    } else {
+        double left = end - t;
+        doze(g, expected, left < g->slice_s ? left : g->slice_s);
+    }
+}
+
 static int all_arrived(Group *g, uint64_t q) {
     for (int r = 0; r < g->size; r++)
         if (atomic_load_explicit(word(g, r, W_ARRIVED), memory_order_acquire) < q) return 0;
@@ -372,24 +393,14 @@ static int wait_phase(Group *g, uint64_t q, double budget) {
     Py_BEGIN_ALLOW_THREADS
     double start = now_s(), spin_end = start + g->spin_s;
     double yield_end = spin_end + g->yield_s, end = start + budget;
-    unsigned spins = 0;
     for (;;) {
         uint32_t expected = atomic_load_explicit(bell(g, g->rank), memory_order_acquire);
         if (all_arrived(g, q)) { status = DONE; break; }
         double t = now_s();
         if (t >= spin_end && missing_peer_down(g, q)) { status = PEER; break; }
         if (t >= end) break;
-        if (t < spin_end) {
-            for (int i = 0; i < 16; i++) cpu_relax();
-            spins++;
-        } else if (t < yield_end) {
-            sched_yield();
-        } else {
-            double left = end - t;
-            doze(g, expected, left < g->slice_s ? left : g->slice_s);
-        }
+        backoff(g, t, spin_end, yield_end, end, expected);
     }
-    (void)spins;
     Py_END_ALLOW_THREADS
     return status;
 }
@@ -592,7 +603,7 @@ static PyObject *G_small_reduce(Group *g, PyObject *const *args, Py_ssize_t narg
 /* The ring src -> dst of channels.py: R bytes at `ring`, head (bytes ever written, by
  * the sender) and tail (bytes ever consumed, by the receiver) in their own words. A
  * message is a 32-byte header (tag u64, nbytes u64, dtype u32, magic u32, 8 pad) and
- * its payload. These two calls move one whole message when it fits (send) or when it is
+ * its payload. send and recv move one whole message when it fits (send) or when it is
  * complete and matches (recv), and otherwise leave everything to the Python engine. */
 static inline au64 *at_u64(Group *g, Py_ssize_t off) {
     return (au64 *)((char *)g->map.buf + off);
@@ -620,23 +631,70 @@ static int p2p_offsets(Group *g, Py_ssize_t ring_off, Py_ssize_t R, Py_ssize_t h
     return 0;
 }
 
-/* ring_put(ring_off, R, head, head_off, tail_off, tag, dtype, magic, payload) -> the new
- * head, or -1 if header and payload do not fit the free space now. */
-static PyObject *G_ring_put(Group *g, PyObject *const *args, Py_ssize_t nargs) {
-    Py_ssize_t ring_off, R, head_off, tail_off;
-    uint64_t head, tag, code, magic;
-    Py_buffer p;
-    NARGS("ring_put", 9);
-    if ((ring_off = PyLong_AsSsize_t(args[0])) == -1 && PyErr_Occurred()) return NULL;
-    if ((R = PyLong_AsSsize_t(args[1])) == -1 && PyErr_Occurred()) return NULL;
-    if (arg_u64(args[2], &head) < 0) return NULL;
-    if ((head_off = PyLong_AsSsize_t(args[3])) == -1 && PyErr_Occurred()) return NULL;
-    if ((tail_off = PyLong_AsSsize_t(args[4])) == -1 && PyErr_Occurred()) return NULL;
-    if (arg_u64(args[5], &tag) < 0 || arg_u64(args[6], &code) < 0 || arg_u64(args[7], &magic) < 0)
+/* bind_p2p(R, magic, offsets): offsets a sequence of 6 x size byte offsets, six per peer
+ * (out ring, in ring, out head, out tail, in head, in tail; this rank's own entries are
+ * ignored), checked against the mapping once, so that send and recv take a peer. */
+static PyObject *G_bind_p2p(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t R;
+    uint64_t magic;
+    NARGS("bind_p2p", 3);
+    if ((R = PyLong_AsSsize_t(args[0])) == -1 && PyErr_Occurred()) return NULL;
+    if (arg_u64(args[1], &magic) < 0) return NULL;
+    PyObject *seq = PySequence_Fast(args[2], "shm native bind_p2p: a sequence of offsets");
+    if (seq == NULL) return NULL;
+    if (PySequence_Fast_GET_SIZE(seq) != 6 * (Py_ssize_t)g->size) {
+        Py_DECREF(seq);
+        return PyErr_Format(PyExc_ValueError, "shm native bind_p2p: 6 x %d offsets expected",
+                            g->size);
+    }
+    Py_ssize_t *table = PyMem_Malloc(sizeof(Py_ssize_t) * 6 * (size_t)g->size);
+    if (table == NULL) { Py_DECREF(seq); return PyErr_NoMemory(); }
+    for (int r = 0; r < g->size; r++) {
+        Py_ssize_t *t = table + 6 * r;
+        for (int i = 0; i < 6; i++) {
+            t[i] = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(seq, 6 * r + i));
+            if (t[i] == -1 && PyErr_Occurred()) goto fail;
+        }
+        if (r != g->rank && (p2p_offsets(g, t[0], R, t[2], t[3]) < 0 ||
+                             p2p_offsets(g, t[1], R, t[4], t[5]) < 0))
+            goto fail;
+    }
+    Py_DECREF(seq);
+    PyMem_Free(g->p2p);
+    g->p2p = table;
+    g->ring_bytes = R;
+    g->magic = (uint32_t)magic;
+    Py_RETURN_NONE;
+fail:
+    PyMem_Free(table);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+static const Py_ssize_t *p2p_peer(Group *g, PyObject *o, int *peer) {
+    if (arg_int(o, peer) < 0) return NULL;
+    if (g->p2p == NULL || *peer < 0 || *peer >= g->size || *peer == g->rank) {
+        PyErr_Format(PyExc_ValueError, "shm native p2p: no ring with rank %d", *peer);
         return NULL;
-    if (p2p_offsets(g, ring_off, R, head_off, tail_off) < 0) return NULL;
-    if (get_array(args[8], &p, 0, "ring_put") < 0) return NULL;
-    uint64_t tail = atomic_load_explicit(at_u64(g, tail_off), memory_order_acquire);
+    }
+    return g->p2p + 6 * *peer;
+}
+
+/* send(dst, head, tag, dtype, payload) -> the new head, or -1 where header and payload do
+ * not fit the free space of the ring to dst now; rings dst's doorbell. One call from a
+ * blocking send on a free ring to the bytes in it, over the offsets of bind_p2p. */
+static PyObject *G_send(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    int dst;
+    uint64_t head, tag, code;
+    Py_buffer p;
+    NARGS("send", 5);
+    const Py_ssize_t *t = p2p_peer(g, args[0], &dst);
+    if (t == NULL || arg_u64(args[1], &head) < 0 || arg_u64(args[2], &tag) < 0 ||
+        arg_u64(args[3], &code) < 0)
+        return NULL;
+    if (get_array(args[4], &p, 0, "send") < 0) return NULL;
+    Py_ssize_t R = g->ring_bytes;
+    uint64_t tail = atomic_load_explicit(at_u64(g, t[3]), memory_order_acquire);
     Py_ssize_t need = 32 + p.len;
     if ((uint64_t)need > (uint64_t)R - (head - tail)) {
         PyBuffer_Release(&p);
@@ -644,12 +702,12 @@ static PyObject *G_ring_put(Group *g, PyObject *const *args, Py_ssize_t nargs) {
     }
     char header[32] = {0};
     uint64_t nbytes = (uint64_t)p.len;
-    uint32_t code32 = (uint32_t)code, magic32 = (uint32_t)magic;
+    uint32_t code32 = (uint32_t)code;
     memcpy(header, &tag, 8);
     memcpy(header + 8, &nbytes, 8);
     memcpy(header + 16, &code32, 4);
-    memcpy(header + 20, &magic32, 4);
-    char *ring = (char *)g->map.buf + ring_off;
+    memcpy(header + 20, &g->magic, 4);
+    char *ring = (char *)g->map.buf + t[0];
     ring_write(ring, R, head, header, 32);
     if (p.len > 65536) {
         Py_BEGIN_ALLOW_THREADS
@@ -660,42 +718,66 @@ static PyObject *G_ring_put(Group *g, PyObject *const *args, Py_ssize_t nargs) {
     }
     PyBuffer_Release(&p);
     head += (uint64_t)need;
-    atomic_store_explicit(at_u64(g, head_off), head, memory_order_release);
+    atomic_store_explicit(at_u64(g, t[2]), head, memory_order_release);
+    ring_ranks(g, &dst, 1);
     return PyLong_FromUnsignedLongLong(head);
 }
 
-/* ring_take(ring_off, R, tail, head_off, tail_off, tag, magic, out) -> the new tail if
- * the next message is complete, has `tag` and exactly len(out) bytes (copied into out);
- * -1 otherwise (nothing there yet, another tag, another size, a bad header: the Python
- * engine decides). */
-static PyObject *G_ring_take(Group *g, PyObject *const *args, Py_ssize_t nargs) {
-    Py_ssize_t ring_off, R, head_off, tail_off;
-    uint64_t tail, tag, magic;
+/* recv(src, tail, tag, out, budget) -> the new tail once the next message from src is
+ * complete, has `tag` and len(out) bytes (copied into out; src's doorbell rung, as it
+ * may wait for room); -1 if it is not all there within `budget` seconds (spin, yield,
+ * then sleep on this rank's doorbell, the GIL released); -2 at once if the next message
+ * is another one (tag, size or header): the Python engine decides then. */
+static PyObject *G_recv(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    int src;
+    uint64_t tail, tag;
+    double budget;
     Py_buffer out;
-    NARGS("ring_take", 8);
-    if ((ring_off = PyLong_AsSsize_t(args[0])) == -1 && PyErr_Occurred()) return NULL;
-    if ((R = PyLong_AsSsize_t(args[1])) == -1 && PyErr_Occurred()) return NULL;
-    if (arg_u64(args[2], &tail) < 0) return NULL;
-    if ((head_off = PyLong_AsSsize_t(args[3])) == -1 && PyErr_Occurred()) return NULL;
-    if ((tail_off = PyLong_AsSsize_t(args[4])) == -1 && PyErr_Occurred()) return NULL;
-    if (arg_u64(args[5], &tag) < 0 || arg_u64(args[6], &magic) < 0) return NULL;
-    if (p2p_offsets(g, ring_off, R, head_off, tail_off) < 0) return NULL;
-    uint64_t head = atomic_load_explicit(at_u64(g, head_off), memory_order_acquire);
-    if (head - tail < 32) return PyLong_FromLong(-1);
-    const char *ring = (const char *)g->map.buf + ring_off;
+    NARGS("recv", 5);
+    const Py_ssize_t *t = p2p_peer(g, args[0], &src);
+    if (t == NULL || arg_u64(args[1], &tail) < 0 || arg_u64(args[2], &tag) < 0 ||
+        arg_double(args[4], &budget) < 0)
+        return NULL;
+    if (get_array(args[3], &out, 1, "recv") < 0) return NULL;
+    au64 *headw = at_u64(g, t[4]);
+    const char *ring = (const char *)g->map.buf + t[1];
+    Py_ssize_t R = g->ring_bytes;
+    uint64_t need = 32 + (uint64_t)out.len, head;
+    long status = 0;   /* 0: not yet, 1: complete, -2: another message */
     char header[32];
-    uint64_t mtag, nbytes;
-    uint32_t magic32;
-    ring_read(ring, R, tail, header, 32);
-    memcpy(&mtag, header, 8);
-    memcpy(&nbytes, header + 8, 8);
-    memcpy(&magic32, header + 20, 4);
-    if (magic32 != (uint32_t)magic || mtag != tag || head - tail < 32 + nbytes)
-        return PyLong_FromLong(-1);
-    if (get_array(args[7], &out, 1, "ring_take") < 0) return NULL;
-    if ((uint64_t)out.len != nbytes) {
+#define CHECK_RING()                                                                  \
+    head = atomic_load_explicit(headw, memory_order_acquire);                         \
+    if (head - tail >= 32) {                                                          \
+        uint64_t mtag, nbytes;                                                        \
+        uint32_t magic32;                                                             \
+        ring_read(ring, R, tail, header, 32);                                         \
+        memcpy(&mtag, header, 8);                                                     \
+        memcpy(&nbytes, header + 8, 8);                                               \
+        memcpy(&magic32, header + 20, 4);                                             \
+        if (magic32 != g->magic || mtag != tag || nbytes != (uint64_t)out.len)        \
+            status = -2;                                                              \
+        else if (head - tail >= need)                                                 \
+            status = 1;                                                               \
+    }
+    CHECK_RING()
+    if (status == 0 && budget > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        double start = now_s(), spin_end = start + g->spin_s;
+        double yield_end = spin_end + g->yield_s, end = start + budget;
+        for (;;) {
+            uint32_t expected = atomic_load_explicit(bell(g, g->rank), memory_order_acquire);
+            CHECK_RING()
+            if (status != 0) break;
+            double now = now_s();
+            if (now >= end) break;
+            backoff(g, now, spin_end, yield_end, end, expected);
+        }
+        Py_END_ALLOW_THREADS
+    }
+#undef CHECK_RING
+    if (status != 1) {
         PyBuffer_Release(&out);
-        return PyLong_FromLong(-1);
+        return PyLong_FromLong(status == 0 ? -1 : -2);
     }
     if (out.len > 65536) {
         Py_BEGIN_ALLOW_THREADS
@@ -705,8 +787,9 @@ static PyObject *G_ring_take(Group *g, PyObject *const *args, Py_ssize_t nargs) 
         ring_read(ring, R, tail + 32, out.buf, out.len);
     }
     PyBuffer_Release(&out);
-    tail += 32 + nbytes;
-    atomic_store_explicit(at_u64(g, tail_off), tail, memory_order_release);
+    tail += need;
+    atomic_store_explicit(at_u64(g, t[5]), tail, memory_order_release);
+    ring_ranks(g, &src, 1);
     return PyLong_FromUnsignedLongLong(tail);
 }
 
@@ -732,14 +815,7 @@ static PyObject *G_wait_change(Group *g, PyObject *const *args, Py_ssize_t nargs
         if (atomic_load_explicit(w, memory_order_acquire) != old) { status = DONE; break; }
         double t = now_s();
         if (t >= end) break;
-        if (t < spin_end) {
-            for (int i = 0; i < 16; i++) cpu_relax();
-        } else if (t < yield_end) {
-            sched_yield();
-        } else {
-            double left = end - t;
-            doze(g, expected, left < g->slice_s ? left : g->slice_s);
-        }
+        backoff(g, t, spin_end, yield_end, end, expected);
     }
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(status);
@@ -760,12 +836,13 @@ static PyMethodDef Group_methods[] = {
     {"small_reduce", (PyCFunction)(void (*)(void))G_small_reduce, METH_FASTCALL,
      "small_reduce(a, q, fp0, fp1, dtype, op, result, budget, published) -> status as "
      "exchange."},
-    {"ring_put", (PyCFunction)(void (*)(void))G_ring_put, METH_FASTCALL,
-     "ring_put(ring_off, R, head, head_off, tail_off, tag, dtype, magic, payload) -> new "
-     "head, or -1 where the message does not fit now."},
-    {"ring_take", (PyCFunction)(void (*)(void))G_ring_take, METH_FASTCALL,
-     "ring_take(ring_off, R, tail, head_off, tail_off, tag, magic, out) -> new tail, or -1 "
-     "unless a complete message of that tag and size is next."},
+    {"bind_p2p", (PyCFunction)(void (*)(void))G_bind_p2p, METH_FASTCALL,
+     "bind_p2p(R, magic, offsets): the rings of every peer, for send and recv."},
+    {"send", (PyCFunction)(void (*)(void))G_send, METH_FASTCALL,
+     "send(dst, head, tag, dtype, payload) -> new head, or -1 where it does not fit now."},
+    {"recv", (PyCFunction)(void (*)(void))G_recv, METH_FASTCALL,
+     "recv(src, tail, tag, out, budget) -> new tail; -1 not there within budget s; -2 the "
+     "next message is another."},
     {"wait_change", (PyCFunction)(void (*)(void))G_wait_change, METH_FASTCALL,
      "wait_change(word_off, old, budget) -> 1 once the word changed, 0 after budget s."},
     {NULL, NULL, 0, NULL},

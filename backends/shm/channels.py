@@ -111,8 +111,6 @@ class Engine:
         # The compiled core (native_ops), or None: it moves a whole message in one call
         # when nothing else is queued on that ring (same bytes, same counters).
         self._core = core if size > 1 else None
-        self._ring_off_out = [lay.ring_byte(rank, d) for d in range(size)]
-        self._ring_off_in = [lay.ring_byte(s, rank) for s in range(size)]
         self.rank, self.size = rank, size
         self.lock = threading.Lock()
         self._u64 = seg.u64
@@ -142,6 +140,62 @@ class Engine:
         self.closed = False
         # Stream in pieces of a quarter ring, so the receiver copies while we write.
         self._piece = max(4096, self._R // 4)
+        if self._core is not None:   # the rings of every peer, for send_now / recv_now
+            offsets = []
+            for r in range(size):
+                offsets += [lay.ring_byte(rank, r), lay.ring_byte(r, rank),
+                            8 * lay.head_word(rank, r), 8 * lay.tail_word(rank, r),
+                            8 * lay.head_word(r, rank), 8 * lay.tail_word(r, rank)]
+            self._core.bind_p2p(self._R, _MSG_MAGIC, offsets)
+
+    # ------------------------------------------------------- blocking, in one call
+    def blocking_calls(self, post_send: Callable, post_recv: Callable,
+                       budget: float, codes: dict) -> tuple[Callable, Callable]:
+        """``(send_now, recv_now)`` for the fast path's blocking send and receive with
+        the core: closures over this engine's state, so that a call costs one Python
+        frame and one C call when the ring allows. What the ring does not allow goes to
+        ``post_send``/``post_recv`` (the group's ``_isend``/``_irecv``) and their wait.
+
+        ``send_now(array, dst, tag)`` puts the whole message into the ring to ``dst``
+        if nothing of ours waits on that ring and it fits now.
+
+        ``recv_now(array, src, tag)`` waits in C for at most ``budget`` seconds (the
+        wait policy's spin and yield, GIL released) until the next message from ``src``
+        is all in the ring, and takes it if it is this one; only when nothing of ours is
+        in flight (``pending`` 0: no send or receive of this rank needs progress
+        meanwhile) and nothing could match first (no receive posted from ``src``, none
+        half read, no ``(src, tag)`` message set aside). The lock is held through the
+        wait: another thread of ours that posts meanwhile waits at most ``budget``.
+        ``dst``/``src`` are peers (not this rank), ``tag`` a user tag."""
+        core, lock, heads, tails = self._core, self.lock, self._heads, self._tails
+        sendq, posted, incoming = self._sendq, self._posted, self._incoming
+        unexpected = self._unexpected
+
+        def send_now(array: np.ndarray, dst: int, tag: int) -> None:
+            dtype = array.dtype
+            code = codes.get(dtype, 0)
+            if dtype.itemsize == 2:      # bfloat16 has no buffer export: send its bits
+                array = array.view(np.uint16)
+            with lock:
+                if not self.closed and not sendq[dst]:
+                    head = core.send(dst, heads[dst], tag, code, array)
+                    if head >= 0:
+                        heads[dst] = head
+                        return
+            post_send(array, dst, tag).wait()
+
+        def recv_now(array: np.ndarray, src: int, tag: int) -> None:
+            bits = array.view(np.uint16) if array.dtype.itemsize == 2 else array
+            with lock:
+                if not (self.pending or self.closed or posted[src] or incoming[src]
+                        is not None or (unexpected and (src, tag) in unexpected)):
+                    tail = core.recv(src, tails[src], tag, bits, budget)
+                    if tail >= 0:
+                        tails[src] = tail
+                        return
+            post_recv(array, src, tag).wait()
+
+        return send_now, recv_now
 
     # ------------------------------------------------------------------ posting
     def post_send(self, array: np.ndarray, dst: int, tag: int, dtype_code: int) -> SendOp:
@@ -151,12 +205,9 @@ class Engine:
             with self.lock:
                 self._check_open("send")
                 if not self._sendq[dst]:       # in order behind nothing: one C call
-                    head = core.ring_put(self._ring_off_out[dst], self._R, self._heads[dst],
-                                         8 * self._out_head[dst], 8 * self._out_tail[dst],
-                                         tag, dtype_code, _MSG_MAGIC, payload)
-                    if head >= 0:
+                    head = core.send(dst, self._heads[dst], tag, dtype_code, payload)
+                    if head >= 0:              # (the core rang dst's doorbell)
                         self._heads[dst] = head
-                        self._ring_doorbells([dst])
                         return _DONE
         op = SendOp(dst, tag, payload, dtype_code)
         with self.lock:
@@ -179,12 +230,9 @@ class Engine:
                 # posted from src, nothing of src half read, no (src, tag) set aside.
                 if not self._posted[src] and self._incoming[src] is None \
                         and (src, tag) not in self._unexpected:
-                    tail = core.ring_take(self._ring_off_in[src], self._R, self._tails[src],
-                                          8 * self._in_head[src], 8 * self._in_tail[src],
-                                          tag, _MSG_MAGIC, target)
-                    if tail >= 0:
+                    tail = core.recv(src, self._tails[src], tag, target, 0.0)
+                    if tail >= 0:   # (the core rang src, which may wait for room)
                         self._tails[src] = tail
-                        self._ring_doorbells([src])   # the sender may wait for room
                         return _DONE
         op = RecvOp(src, tag, target, dtype_code)
         with self.lock:
@@ -223,15 +271,12 @@ class Engine:
         if self._core is None or op.done or not posted or posted[0] is not op \
                 or self._incoming[src] is not None:
             return False
-        tail = self._core.ring_take(self._ring_off_in[src], self._R, self._tails[src],
-                                    8 * self._in_head[src], 8 * self._in_tail[src],
-                                    op.tag, _MSG_MAGIC, op.array)
+        tail = self._core.recv(src, self._tails[src], op.tag, op.array, 0.0)
         if tail < 0:
             return False
         posted.popleft()
         self._tails[src] = tail
         self._complete(op)
-        self._ring_doorbells([src])
         return True
 
     def _check_open(self, what: str) -> None:

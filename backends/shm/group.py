@@ -37,7 +37,7 @@ from . import segment as sg
 from .channels import HEADER_BYTES, Engine, SendOp
 from .futex import Doorbells, wait_mode
 from .native_ops import NativePaths
-from .ops import CollectiveOps, dtype_code, dtype_name
+from .ops import _DTYPE_CODE, CollectiveOps, dtype_code, dtype_name
 from .reduce import ReduceOps
 
 #: Bytes per data slot (the staging chunk); a message larger than this is chunked.
@@ -145,6 +145,9 @@ class ShmGroup(NativePaths, ReduceOps, CollectiveOps, ProcessGroup):
         self._use_native()  # the compiled core, its doorbells and the wait policy
         self._engine = Engine(seg, rank, size, self._bells.ring, self._where, dtype_name,
                               core=self._native)
+        if self._native is not None:  # blocking send and recv: one C call where they can
+            self._send_now, self._recv_now = self._engine.blocking_calls(
+                self._isend, self._irecv, self._spin_s + self._yield_s, _DTYPE_CODE)
         self._phase = int(seg.u64[self._me_arrived])
         self._S = lay.chunk
         self._slots = [[seg.bytes[lay.slot_off(b, r):lay.slot_off(b, r) + lay.chunk]

@@ -1,0 +1,134 @@
+"""The blocking ``send``/``recv`` fast path (collectives.fast_path, ``_send_now`` /
+``_recv_now``; shm: one C call each where the ring allows) keeps every guarantee of the
+general path: bitwise payloads of every dtype, MPI's matching by tag, progress of this
+rank's other operations, typed errors, the flight record. One 2-rank job per backend
+(shm on the core, shm's Python path, zmq) runs the cases below in order.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import collectives
+from collectives.errors import CollectiveMismatch
+
+from backends.shm import native
+
+DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int64", "bool"]
+
+
+def _array(name: str, n: int, seed: int) -> np.ndarray:
+    dt = np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+    bits = np.random.default_rng(seed).integers(0, 256, n * dt.itemsize, dtype=np.uint8)
+    a = bits.view(dt).copy()
+    return (a != 0) if name == "bool" else a
+
+
+def _cases() -> dict:
+    import torch
+    pg = collectives.init_process_group()
+    me, peer = pg.rank, 1 - pg.rank
+    general = []                                  # calls that took the general path
+    start_p2p = pg._start_p2p
+    pg._start_p2p = lambda op, *a, **k: (general.append(op), start_p2p(op, *a, **k))[1]
+    out: dict = {}
+
+    # Every dtype, bitwise, both ways (float16/bfloat16 as raw bits, NaNs included).
+    for i, name in enumerate(DTYPES):
+        mine, theirs = _array(name, 33, 10 * me + i), _array(name, 33, 10 * peer + i)
+        got = np.zeros_like(theirs)
+        if me == 0:
+            pg.send(mine, 1, tag=i)
+            pg.recv(got, 1, tag=i)
+        else:
+            pg.recv(got, 0, tag=i)
+            pg.send(mine, 0, tag=i)
+        out[name] = got.view(np.uint8).tobytes() == theirs.view(np.uint8).tobytes()
+    out["fast_only"] = not general
+
+    # Matching by tag: the message of tag 5 comes first; a receive for tag 6 must set it
+    # aside, and the receive for tag 5 must find it.
+    if me == 0:
+        pg.send(np.full(4, 5.0, np.float32), 1, tag=5)
+        pg.send(np.full(4, 6.0, np.float32), 1, tag=6)
+    else:
+        six, five = np.zeros(4, np.float32), np.zeros(4, np.float32)
+        pg.recv(six, 0, tag=6)
+        pg.recv(five, 0, tag=5)
+        out["by_tag"] = (six.tolist(), five.tolist())
+
+    # A blocking receive while this rank's own large isend is in flight (larger than a
+    # ring): the receive must keep that send moving, on both ranks at once.
+    big = np.arange(3 << 20, dtype=np.float32) + me
+    into = np.zeros_like(big)
+    w = pg.isend(big, peer, tag=7)
+    pg.recv(into, peer, tag=7)
+    w.wait()
+    out["exchange"] = bool(np.array_equal(into, np.arange(3 << 20, dtype=np.float32) + peer))
+
+    # A late sender: rank 0 sleeps past every spin and yield window.
+    t = np.zeros(3, np.float32)
+    if me == 0:
+        time.sleep(0.3)
+        pg.send(np.array([1, 2, 3], np.float32), 1, tag=8)
+    else:
+        pg.recv(t, 0, tag=8)
+        out["late"] = t.tolist()
+
+    # A size mismatch is typed, names both sides, and leaves the group usable.
+    if me == 0:
+        pg.send(np.ones(8, np.float32), 1, tag=9)
+    else:
+        try:
+            pg.recv(np.zeros(4, np.float32), 0, tag=9)
+            out["mismatch"] = "no error"
+        except CollectiveMismatch as exc:
+            out["mismatch"] = str(exc)
+    pg.barrier()
+
+    # torch tensors (the cached host view) and a non-contiguous one (staged).
+    x = torch.arange(6, dtype=torch.float32) + 100 * me
+    y = torch.zeros(6, 2)[:, 0]
+    if me == 0:
+        pg.send(x, 1)
+        pg.recv(y, 1)
+    else:
+        pg.recv(y, 0)
+        pg.send(x, 0)
+    out["torch"] = y.tolist()
+
+    records = pg._recorder.records() if pg._recorder is not None else []
+    out["recorded"] = [(r["op"], r["peer"], r["state"]) for r in records
+                       if r["op"] in ("send", "recv")][:4]
+    out["native"] = getattr(pg, "native", None)
+    pg.close()
+    return out
+
+
+@pytest.mark.parametrize("backend,env", [
+    ("shm", {}), ("shm", {"COLLECTIVES_SHM_NATIVE": "0"}), ("zmq", {})],
+    ids=["shm", "shm-py", "zmq"])
+def test_blocking_send_and_recv_keep_the_general_paths_guarantees(backend, env):
+    if backend == "shm" and not env and native.native_module() is None:
+        pytest.skip("backends.shm._native is not built")
+    results = collectives.spawn(_cases, 2, backend=backend, timeout=120, join_timeout=300,
+                                env=env)
+    for rank, got in enumerate(results):
+        for name in DTYPES:
+            assert got[name], (rank, name)
+        assert got["fast_only"], rank       # contiguous arrays never took the general path
+        assert got["exchange"], rank
+        assert got["torch"] == [float(v + 100 * (1 - rank)) for v in range(6)]
+        assert got["recorded"] == [("send" if rank == 0 else "recv", 1 - rank, "ok"),
+                                   ("recv" if rank == 0 else "send", 1 - rank, "ok")] * 2
+    assert results[1]["by_tag"] == ([6.0] * 4, [5.0] * 4)
+    assert results[1]["late"] == [1.0, 2.0, 3.0]
+    mismatch = results[1]["mismatch"]          # each backend words the sizes its way
+    assert mismatch.startswith("[rank 1/2] recv") and "rank 0" in mismatch, mismatch
+    assert "tag 9" in mismatch and "float32" in mismatch, mismatch
+    if backend == "shm":
+        assert [r["native"] for r in results] == [not env] * 2
