@@ -36,6 +36,7 @@
 #ifdef __linux__
 #include <linux/futex.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <unistd.h>
 #endif
 
@@ -914,9 +915,127 @@ end_seq:
     return ret;
 }
 
+/* ------------------------------------------------------- cross-memory attach (CMA) */
+/* Single-copy reads of a peer's memory (process_vm_readv: the kernel copies from the
+ * peer's pages straight into ours), for the large all_reduce of cma.py. Both return 0,
+ * or -errno of the first failed read (EPERM where ptrace rules forbid it, ENOSYS where
+ * the kernel lacks it, ESRCH/EFAULT for a peer gone or an address not its). */
+#define CMA_BLOCK (256 << 10)
+
+static int cma_copy(pid_t pid, char *dst, uint64_t addr, size_t len) {
+#ifdef __linux__
+    while (len > 0) {
+        struct iovec local = {dst, len}, remote = {(void *)(uintptr_t)addr, len};
+        ssize_t got = process_vm_readv(pid, &local, 1, &remote, 1, 0);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            return -errno;
+        }
+        if (got == 0) return -EFAULT;
+        dst += got;
+        addr += (uint64_t)got;
+        len -= (size_t)got;
+    }
+    return 0;
+#else
+    (void)pid; (void)dst; (void)addr; (void)len;
+    return -ENOSYS;
+#endif
+}
+
+/* cma_read(out, pid, addr) -> 0 or -errno: len(out) bytes at addr in process pid. */
+static PyObject *m_cma_read(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    int pid;
+    uint64_t addr;
+    Py_buffer out;
+    NARGS("cma_read", 3);
+    if (arg_int(args[1], &pid) < 0 || arg_u64(args[2], &addr) < 0) return NULL;
+    if (get_array(args[0], &out, 1, "cma_read") < 0) return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = cma_copy((pid_t)pid, out.buf, addr, (size_t)out.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&out);
+    return PyLong_FromLong(rc);
+}
+
+/* cma_reduce(out, pids, addrs, me, dtype, op) -> 0 or -errno. out is this rank's piece
+ * of its own array, and source `me` of the reduction; the same piece of rank r's array
+ * (r != me) is at addrs[r] in process pids[r]. Block by block (a quarter MiB, so the
+ * copies stay in cache): read every peer's block, then out = s_0 (op) s_1 ... in rank
+ * order, AVG divided by n once: bitwise what combine computes. GIL released. */
+static PyObject *m_cma_reduce(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    int me, code, op;
+    Py_buffer out;
+    NARGS("cma_reduce", 6);
+    if (arg_int(args[3], &me) < 0 || arg_int(args[4], &code) < 0 || arg_int(args[5], &op) < 0)
+        return NULL;
+    if (check_kernel(code, op) < 0) return NULL;
+    PyObject *pids = PySequence_Fast(args[1], "shm native cma_reduce: a sequence of pids");
+    if (pids == NULL) return NULL;
+    PyObject *addrs = PySequence_Fast(args[2], "shm native cma_reduce: a sequence of addresses");
+    if (addrs == NULL) { Py_DECREF(pids); return NULL; }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(pids);
+    PyObject *ret = NULL;
+    int *pid = NULL;
+    uint64_t *addr = NULL;
+    char **tmp = NULL, **srcs = NULL;
+    if (n < 2 || n != PySequence_Fast_GET_SIZE(addrs) || me < 0 || me >= n) {
+        PyErr_SetString(PyExc_ValueError, "shm native cma_reduce: bad pids, addrs or me");
+        goto end_seq;
+    }
+    pid = PyMem_Malloc(sizeof(int) * (size_t)n);
+    addr = PyMem_Malloc(sizeof(uint64_t) * (size_t)n);
+    tmp = PyMem_Calloc((size_t)n, sizeof(char *));
+    srcs = PyMem_Malloc(sizeof(char *) * (size_t)n);
+    if (!pid || !addr || !tmp || !srcs) { PyErr_NoMemory(); goto end_alloc; }
+    for (Py_ssize_t r = 0; r < n; r++) {
+        if (arg_int(PySequence_Fast_GET_ITEM(pids, r), &pid[r]) < 0 ||
+            arg_u64(PySequence_Fast_GET_ITEM(addrs, r), &addr[r]) < 0)
+            goto end_alloc;
+        if (r != me && !(tmp[r] = PyMem_RawMalloc(CMA_BLOCK))) { PyErr_NoMemory(); goto end_alloc; }
+    }
+    if (get_array(args[0], &out, 1, "cma_reduce") < 0) goto end_alloc;
+    int itemsize = KERNELS[code].itemsize, rc = 0;
+    Py_ssize_t block = CMA_BLOCK / itemsize * itemsize;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t off = 0; off < out.len && rc == 0; off += block) {
+        Py_ssize_t k = out.len - off < block ? out.len - off : block;
+        for (Py_ssize_t r = 0; r < n && rc == 0; r++) {
+            if (r == me) {
+                srcs[r] = (char *)out.buf + off;
+            } else {
+                rc = cma_copy((pid_t)pid[r], tmp[r], addr[r] + (uint64_t)off, (size_t)k);
+                srcs[r] = tmp[r];
+            }
+        }
+        if (rc == 0)
+            KERNELS[code].fn((char *)out.buf + off, srcs, (int)n, k / itemsize, op, (int)n);
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&out);
+    ret = PyLong_FromLong(rc);
+end_alloc:
+    if (tmp)
+        for (Py_ssize_t r = 0; r < n; r++) PyMem_RawFree(tmp[r]);
+    PyMem_Free(pid);
+    PyMem_Free(addr);
+    PyMem_Free(tmp);
+    PyMem_Free(srcs);
+end_seq:
+    Py_DECREF(pids);
+    Py_DECREF(addrs);
+    return ret;
+}
+
 static PyMethodDef module_methods[] = {
     {"combine", (PyCFunction)(void (*)(void))m_combine, METH_FASTCALL,
      "combine(out, sources, dtype, op, n): the rank-order reduction, GIL released."},
+    {"cma_read", (PyCFunction)(void (*)(void))m_cma_read, METH_FASTCALL,
+     "cma_read(out, pid, addr) -> 0 or -errno: a peer's bytes, one kernel copy."},
+    {"cma_reduce", (PyCFunction)(void (*)(void))m_cma_reduce, METH_FASTCALL,
+     "cma_reduce(out, pids, addrs, me, dtype, op) -> 0 or -errno: out = the rank-order "
+     "reduction of the peers' pieces (read in place) and out."},
     {NULL, NULL, 0, NULL},
 };
 

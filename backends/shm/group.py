@@ -35,6 +35,7 @@ from collectives.work import Work
 
 from . import segment as sg
 from .channels import HEADER_BYTES, Engine, SendOp
+from .cma import CMA_ALL_REDUCE_BYTES, CmaReduce
 from .futex import Doorbells, wait_mode
 from .native_ops import NativePaths
 from .ops import _DTYPE_CODE, CollectiveOps, dtype_code, dtype_name
@@ -92,7 +93,7 @@ class _P2PWork(Work):
         return op.done
 
 
-class ShmGroup(NativePaths, ReduceOps, CollectiveOps, ProcessGroup):
+class ShmGroup(NativePaths, CmaReduce, ReduceOps, CollectiveOps, ProcessGroup):
     """Ranks of one host communicating through one POSIX shared-memory segment."""
 
     backend = "shm"
@@ -142,6 +143,7 @@ class ShmGroup(NativePaths, ReduceOps, CollectiveOps, ProcessGroup):
                                 [lay.bell_byte(r) for r in range(size)],
                                 [lay.ctrl_word(r, sg.W_SLEEPERS) for r in range(size)],
                                 rank, wait_mode())
+        self._S = lay.chunk
         self._use_native()  # the compiled core, its doorbells and the wait policy
         self._engine = Engine(seg, rank, size, self._bells.ring, self._where, dtype_name,
                               core=self._native)
@@ -149,7 +151,6 @@ class ShmGroup(NativePaths, ReduceOps, CollectiveOps, ProcessGroup):
             self._send_now, self._recv_now = self._engine.blocking_calls(
                 self._isend, self._irecv, self._spin_s + self._yield_s, _DTYPE_CODE)
         self._phase = int(seg.u64[self._me_arrived])
-        self._S = lay.chunk
         self._slots = [[seg.bytes[lay.slot_off(b, r):lay.slot_off(b, r) + lay.chunk]
                         for r in range(size)] for b in (0, 1)]
         self._typed: dict = {}
@@ -176,13 +177,16 @@ class ShmGroup(NativePaths, ReduceOps, CollectiveOps, ProcessGroup):
         return self._S
 
     def size_thresholds(self) -> tuple[SizeThreshold, ...]:
-        """shm's own lines: the one-phase reduce, a message's split into slots of S bytes
+        """shm's own lines: the one-phase reduce, the single-copy all_reduce (cma.py), a
+        message's split into slots of S bytes
         (S/n per rank where every rank's part of one input shares a slot), and a point to
         point message that wraps around its ring."""
         S, n = self._S, self.size
         return (
             SizeThreshold("shm.reduce.SMALL_REDUCE_BYTES", self._small_limit,
                           ("all_reduce", "reduce")),
+            SizeThreshold("shm.cma.CMA_ALL_REDUCE_BYTES", CMA_ALL_REDUCE_BYTES,
+                          ("all_reduce",)),
             SizeThreshold("shm.slot (COLLECTIVES_SHM_CHUNK_BYTES)", S,
                           ("broadcast", "all_reduce", "reduce", "all_gather", "gather")),
             SizeThreshold("shm.slot / size", S // n, ("scatter", "reduce_scatter",
@@ -210,6 +214,8 @@ class ShmGroup(NativePaths, ReduceOps, CollectiveOps, ProcessGroup):
         if state in fatal_states:
             if done is not None and self._u64 is not None and done():
                 return
+            if state == sg.STATE_FAILED:
+                self._raise_if_a_peer_died(what, seq)   # the cause, not its consequence
             how = "closed the group" if state == sg.STATE_CLOSED else \
                 "failed in a collective (see its own error)"
             raise PeerError(f"{self._where_seq(what, seq)}: rank {r} {how}", peer=r)
@@ -218,6 +224,14 @@ class ShmGroup(NativePaths, ReduceOps, CollectiveOps, ProcessGroup):
                 return
             raise PeerError(f"{self._where_seq(what, seq)}: rank {r} (pid {self._pids[r]}) "
                             f"died", peer=r)
+
+    def _raise_if_a_peer_died(self, what: str, seq: int) -> None:
+        """PeerError naming a peer whose process is gone, if one is: where a peer
+        failed because another died (it noticed first), the dead one is what to name."""
+        for p in self._peers:
+            if self._pid_checkable[p] and not process_alive(self._pids[p]):
+                raise PeerError(f"{self._where_seq(what, seq)}: rank {p} (pid "
+                                f"{self._pids[p]}) died", peer=p)
 
     def _where_seq(self, what: str, seq: int) -> str:
         # Built only when raising: _check_peer runs on every slow wait.

@@ -31,7 +31,7 @@ def persistent_call(group: Any, op: str, arrays: Sequence[np.ndarray],
         if group.size == 1:
             return lambda seq: finish(reduce_op, a, 1)
         small = a.nbytes <= group._small_limit
-        impl = getattr(group, "_small_reduce" if small else "_pipelined_reduce", None)
+        impl = getattr(group, "_small_reduce" if small else "_large_reduce", None)
         if impl is None:
             return None
         fail = group._fail

@@ -1,0 +1,137 @@
+"""The large all_reduce of the shm backend in one copy: cross-memory attach (CMA).
+
+The pipelined path (``reduce.py``) stages every byte through the shared segment: a copy
+in, the reduction, a copy out, about 4.5 times the message in memory traffic per rank
+(two ranks). Linux lets a process read another's memory directly
+(``process_vm_readv``, the kernel copying from the peer's pages into ours, as MPICH's
+and Open MPI's CMA transports do), so where the ranks may (same user, ptrace rules,
+one PID namespace) the all_reduce of ``a`` reads the peers' arrays where they lie:
+
+1. phase 1: every rank publishes the address of ``a`` and whether it can take this path
+   (the compiled core loaded, ``COLLECTIVES_SHM_CMA`` not ``0``, every peer's pid
+   visible); all ranks read the same words, so they all decide alike. The first time
+   all can, each also reads a word of every peer's array and publishes whether that
+   worked (phase 2): a kernel that forbids it turns the path off for the group, on
+   every rank, and that call and every later one take the pipelined path.
+2. reduce-scatter: rank k owns piece k of ``a`` (n aligned pieces); it reads piece k of
+   every peer's array block by block (a quarter MiB, so the copies stay in cache) and
+   reduces them with its own in rank order, in place (``_native.cma_reduce``, GIL
+   released). Nobody writes a piece another rank reads: rank r writes only piece r.
+3. phase: every owner is done. all-gather: rank k reads each peer's reduced piece
+   straight into ``a`` (``_native.cma_read``).
+4. phase: every rank finished reading, so each may return and reuse its array.
+
+Each element is reduced once, by its owner, in rank order, by the same kernels as the
+other paths: the ranks get bitwise-identical results, bitwise those of the pipelined
+path. Traffic per rank: the peers' pieces read once, the reduction, the gather read once,
+about 3 times the message. Messages of ``CMA_ALL_REDUCE_BYTES`` and more take this path;
+``reduce`` (one root) and the other collectives keep theirs.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import time
+
+import numpy as np
+
+from collectives.errors import CollectiveError, PeerError
+from collectives.reduce_op import ReduceOp
+
+from .ops import _ALIGN, _DTYPE_CODE, _REDOP_BY_ID, OP_ALL_REDUCE
+
+#: all_reduce messages of at least this many bytes read the peers' memory directly.
+CMA_ALL_REDUCE_BYTES = 1 << 20
+#: ``0`` turns the single-copy path off on this rank (and so for its groups).
+CMA_ENV = "COLLECTIVES_SHM_CMA"
+#: Seconds a rank that found a peer's memory gone waits to see it die before it says so.
+_EXIT_GRACE = 2.0
+
+
+class CmaReduce:
+    """Mixed into ShmGroup: ``_cma_all_reduce``. ``_cma`` is None until the group's first
+    large all_reduce decided, then True or False alike on every rank."""
+
+    _cma = None
+
+    def _cma_able(self) -> bool:
+        """Whether this rank can read its peers' memory (its vote in phase 1)."""
+        return (self._native is not None and sys.platform.startswith("linux")
+                and os.environ.get(CMA_ENV, "1").strip() != "0"
+                and all(self._pid_checkable[r] for r in self._peers))
+
+    def _cma_all_reduce(self, a: np.ndarray, op: ReduceOp, seq: int) -> bool:
+        """all_reduce of the flat ``a`` through the peers' memory; False (having agreed
+        on it with every rank) where the pipelined path must run instead."""
+        n, me = self.size, self.rank
+        self._start(OP_ALL_REDUCE, seq, a.dtype, a.nbytes, -1, op)
+        q = self._enter()
+        words = self._sv(q & 1, me, np.uint64)
+        words[0] = a.ctypes.data
+        words[1] = int(self._cma_able())
+        self._exchange(q)
+        published = [self._sv(q & 1, r, np.uint64) for r in range(n)]
+        addrs = [int(w[0]) for w in published]
+        if not all(int(w[1]) for w in published):
+            self._cma = False
+            return False
+        mod = self._native_module
+        if self._cma is None:
+            self._cma = self._cma_probe(mod, addrs)
+            if not self._cma:
+                return False
+        itemsize = a.itemsize
+        align = max(1, _ALIGN // itemsize)
+        part = ((a.size + n - 1) // n + align - 1) // align * align
+        bounds = [(min(a.size, k * part), min(a.size, (k + 1) * part)) for k in range(n)]
+        pids = self._pids
+        k0, k1 = bounds[me]
+        if k1 > k0:
+            rc = mod.cma_reduce(a[k0:k1], pids, [x + k0 * itemsize for x in addrs], me,
+                                _DTYPE_CODE.get(a.dtype, 0), _REDOP_BY_ID[id(op)])
+            self._cma_check(rc, "reading the peers' pieces")
+        self._exchange(self._enter())
+        for r in self._peers:
+            r0, r1 = bounds[r]
+            if r1 > r0:
+                self._cma_check(mod.cma_read(a[r0:r1], pids[r], addrs[r] + r0 * itemsize),
+                                f"reading rank {r}'s reduced piece")
+        self._exchange(self._enter())
+        return True
+
+    def _cma_probe(self, mod, addrs: list) -> bool:
+        """Phase 2 of a group's first single-copy all_reduce: can every rank read a word
+        of every peer's array? Decided alike on every rank."""
+        probe = np.zeros(1, np.uint8)
+        ok = all(mod.cma_read(probe, self._pids[r], addrs[r]) == 0 for r in self._peers)
+        q = self._enter()
+        self._sv(q & 1, self.rank, np.uint64)[0] = int(ok)
+        self._exchange(q)
+        return all(int(self._sv(q & 1, r, np.uint64)[0]) for r in range(self.size))
+
+    def _cma_check(self, rc: int, what: str) -> None:
+        """Raise for a failed read: PeerError for a peer that is gone (the kernel's
+        ESRCH), else CollectiveError with the kernel's reason."""
+        if not rc:
+            return
+        if rc == -errno.ESRCH:
+            # The peer's memory is gone: it is exiting. Name it once it is a zombie, as
+            # the other ranks' own liveness checks will, so that every rank names the
+            # dead one (this rank's failure, published now, would name this rank).
+            deadline = time.monotonic() + _EXIT_GRACE
+            while time.monotonic() < deadline:
+                self._raise_if_a_peer_died(self._op_name, self._op_seq)
+                time.sleep(0.002)
+            probe = np.zeros(1, np.uint8)
+            gone = [r for r in self._peers
+                    if self._native_module.cma_read(probe, self._pids[r], 0) == -errno.ESRCH]
+            if gone:
+                raise PeerError(f"{self._where(self._op_name)} (seq {self._op_seq}): rank "
+                                f"{gone[0]} (pid {self._pids[gone[0]]}) is exiting",
+                                peer=gone[0])
+        raise CollectiveError(
+            f"{self._where(self._op_name)} (seq {self._op_seq}): {what} failed: "
+            f"{os.strerror(-rc)} (set {CMA_ENV}=0 on every rank to stage through shared "
+            f"memory instead)")
