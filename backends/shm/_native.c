@@ -119,21 +119,28 @@ static inline uint16_t f2b(float f) {
 #define IMIN(a, b) ((a) < (b) ? (a) : (b))
 #define IMAX(a, b) ((a) > (b) ? (a) : (b))
 
+/* dst[i] = a[i] (op) b[i] for i < m: one step of the float kernels. */
+#define FLOAT_STEP(op, dst, a, b, m, i)                                                \
+    switch (op) {                                                                      \
+    case R_SUM: case R_AVG: for (i = 0; i < m; i++) dst[i] = a[i] + b[i]; break;       \
+    case R_PROD: for (i = 0; i < m; i++) dst[i] = a[i] * b[i]; break;                  \
+    case R_MIN: for (i = 0; i < m; i++) dst[i] = FMIN(a[i], b[i]); break;              \
+    default: for (i = 0; i < m; i++) dst[i] = FMAX(a[i], b[i]); break;                 \
+    }
+
 #define FLOAT_KERNEL(NAME, T)                                                          \
     static void NAME(void *out_, char **srcs, int k, Py_ssize_t count, int op, int n) { \
         T *out = (T *)out_;                                                            \
         T acc[BLOCK];                                                                  \
         for (Py_ssize_t base = 0; base < count; base += BLOCK) {                       \
             Py_ssize_t m = count - base < BLOCK ? count - base : BLOCK, i;             \
-            memcpy(acc, (T *)srcs[0] + base, (size_t)m * sizeof(T));                   \
+            const T *restrict s0 = (const T *)srcs[0] + base;                          \
+            if (k == 1) memcpy(acc, s0, (size_t)m * sizeof(T));                        \
             for (int r = 1; r < k; r++) {                                              \
+                /* step 1 reads s0 itself (no copy into acc first), later steps acc */ \
                 const T *restrict s = (const T *)srcs[r] + base;                       \
-                switch (op) {                                                          \
-                case R_SUM: case R_AVG: for (i = 0; i < m; i++) acc[i] = acc[i] + s[i]; break; \
-                case R_PROD: for (i = 0; i < m; i++) acc[i] = acc[i] * s[i]; break;    \
-                case R_MIN: for (i = 0; i < m; i++) acc[i] = FMIN(acc[i], s[i]); break; \
-                default: for (i = 0; i < m; i++) acc[i] = FMAX(acc[i], s[i]); break;   \
-                }                                                                      \
+                if (r == 1) FLOAT_STEP(op, acc, s0, s, m, i)                           \
+                else FLOAT_STEP(op, acc, acc, s, m, i)                                 \
             }                                                                          \
             if (op == R_AVG) {                                                         \
                 const T d = (T)n;                                                      \
