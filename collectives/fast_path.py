@@ -18,8 +18,8 @@ repeat one argument list over and over, so the fast path keeps what it found out
   already found valid.
 - the flight record: one tuple appended to the recorder's ring after the call, instead
   of a list made before and updated after (a failure still records and dumps as before,
-  with the call's start time). So a blocking call is not in the ring *while* it runs;
-  only the calling thread could dump the ring then, and it is inside the call.
+  with the call's start time). So a blocking call is not in the ring *while* it runs: a
+  dump made meanwhile (another thread's failure) lacks it.
 
 Anything else (async_op, a queued async op, ``COLLECTIVES_DEBUG``, a backend whose hooks
 return Works or take tensors, a non-contiguous or CUDA tensor, a read-only array, an

@@ -2,7 +2,7 @@
 backend's hooks, and what it expects back. Written here once; every backend and every
 algorithm of :mod:`collectives.algorithms` keeps it.
 
-Transport hooks (every backend implements these three)
+Transport hooks (every backend implements the first three)
     ``_isend(array, dst, tag) -> Work`` and ``_irecv(array, src, tag) -> Work`` start a
     send or a receive of one array to or from group rank ``dst``/``src`` and return a
     :class:`~collectives.work.Work` whose ``wait(timeout=None)`` blocks until the array
@@ -12,11 +12,20 @@ Transport hooks (every backend implements these three)
     user tags below ``2**31``, the library's own above (``collectives.algorithms.links``).
     ``_barrier(seq) -> None`` returns once every rank entered barrier ``seq``.
     ``_send_now(array, dst, tag) -> None`` and ``_recv_now(array, src, tag) -> None``
-    (optional; the defaults wait on ``_isend``/``_irecv``) are the blocking ``send`` and
-    ``recv`` of the fast path (:mod:`collectives.fast_path`): same arguments, already
-    checked (``dst``/``src`` a peer, not this rank; a user tag), and the same guarantees
-    on return. A backend overrides them where one call can do what a posted operation
-    and its wait do (shm: one C call moves the message when its ring is free).
+    (optional; the defaults are ``_isend(...).wait()`` and ``_irecv(...).wait()``) are the
+    blocking ``send`` and ``recv`` of the fast path (:mod:`collectives.fast_path`), used
+    only where that path is (no ``COLLECTIVES_DEBUG``, no ``hooks_return_work``, the
+    default ``_to_host``). ``array`` is the caller's own memory: a flat, C-contiguous
+    numpy view of a supported dtype (writable for a receive), never staged; ``dst``/
+    ``src`` a peer (not this rank); ``tag`` a user tag. On return they guarantee what
+    the waited Work does, and they keep its rules: messages of one (peer, tag) stay in
+    order with those of ``_isend``/``_irecv`` (a ``_recv_now`` never takes a message an
+    earlier receive or the set-aside queue should get), every wait is bounded by
+    ``self.timeout``, errors are typed and name the op, the peer and the tag, a closed
+    group raises ``CollectiveError``, and several threads of one rank may call them
+    and ``_isend``/``_irecv`` at once. A backend overrides them where one call can do
+    what a posted operation and its wait do (shm: one C call moves the message when its
+    ring is free).
 
 Collective hooks (optional: the defaults run :mod:`collectives.algorithms` over the
 transport hooks)

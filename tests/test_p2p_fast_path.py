@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import collectives
-from collectives.errors import CollectiveMismatch
+from collectives.errors import CollectiveError, CollectiveMismatch
 
 from backends.shm import native
 
@@ -35,6 +35,11 @@ def _cases() -> dict:
     general = []                                  # calls that took the general path
     start_p2p = pg._start_p2p
     pg._start_p2p = lambda op, *a, **k: (general.append(op), start_p2p(op, *a, **k))[1]
+    posted = []                                   # shm: sends the core did not move
+    engine = getattr(pg, "_engine", None) if pg.backend == "shm" else None
+    if engine is not None:
+        post_send = engine.post_send
+        engine.post_send = lambda *a: (posted.append(a[1]), post_send(*a))[1]
     out: dict = {}
 
     # Every dtype, bitwise, both ways (float16/bfloat16 as raw bits, NaNs included).
@@ -49,6 +54,18 @@ def _cases() -> dict:
             pg.send(mine, 0, tag=i)
         out[name] = got.view(np.uint8).tobytes() == theirs.view(np.uint8).tobytes()
     out["fast_only"] = not general
+    out["posted"] = len(posted)
+
+    # Blocking, larger than a ring: the core hands it to the engine, which streams it.
+    big = np.arange(3 << 20, dtype=np.float32) + me
+    into = np.zeros_like(big)
+    if me == 0:
+        pg.send(big, 1, tag=20)
+        pg.recv(into, 1, tag=21)
+    else:
+        pg.recv(into, 0, tag=20)
+        pg.send(big, 0, tag=21)
+    out["big"] = bool(np.array_equal(into, np.arange(3 << 20, dtype=np.float32) + peer))
 
     # Matching by tag: the message of tag 5 comes first; a receive for tag 6 must set it
     # aside, and the receive for tag 5 must find it.
@@ -106,6 +123,11 @@ def _cases() -> dict:
                        if r["op"] in ("send", "recv")][:4]
     out["native"] = getattr(pg, "native", None)
     pg.close()
+    try:
+        pg.send(np.zeros(1, np.float32), peer)
+        out["closed"] = "no error"
+    except CollectiveError as exc:
+        out["closed"] = f"{type(exc).__name__}: {exc}"
     return out
 
 
@@ -121,7 +143,10 @@ def test_blocking_send_and_recv_keep_the_general_paths_guarantees(backend, env):
         for name in DTYPES:
             assert got[name], (rank, name)
         assert got["fast_only"], rank       # contiguous arrays never took the general path
-        assert got["exchange"], rank
+        assert got["exchange"] and got["big"], rank
+        assert got["closed"].startswith(f"CollectiveError: [rank {rank}/2] send"), got["closed"]
+        if backend == "shm" and not env:
+            assert got["posted"] == 0, rank  # every small send: one C call
         assert got["torch"] == [float(v + 100 * (1 - rank)) for v in range(6)]
         assert got["recorded"] == [("send" if rank == 0 else "recv", 1 - rank, "ok"),
                                    ("recv" if rank == 0 else "send", 1 - rank, "ok")] * 2

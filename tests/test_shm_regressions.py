@@ -110,12 +110,15 @@ def _check_reduce_paths(limit_bytes, large_counts):
 
 def test_reduce_paths_default_chunk_match_the_reference_bitwise():
     """Default 1 MiB slot: the one-phase path up to 32 KiB and the pipelined path above
-    (one chunk, two chunks, odd tails), at 2 and 3 ranks (3: uneven pieces)."""
+    (one chunk, two chunks, odd tails), at 2 and 3 ranks (3: uneven pieces). The
+    single-copy all_reduce (from 1 MiB) is off, so that the pipelined one runs here
+    (tests/test_shm_cma.py holds the two against each other)."""
     from backends.shm.reduce import SMALL_REDUCE_BYTES
     large = (SMALL_REDUCE_BYTES // 4 + 1, 400_001, 2 * 174_752 + 5)
     for n in (2, 3):
         results = collectives.spawn(_check_reduce_paths, n, args=(SMALL_REDUCE_BYTES, large),
-                                    backend="shm", timeout=120)
+                                    backend="shm", timeout=120,
+                                    env={"COLLECTIVES_SHM_CMA": "0"})
         assert all(not f for f, _ in results), [f for f, _ in results]
         assert len({d for _, d in results}) == 1, "ranks hold different all_reduce bits"
 

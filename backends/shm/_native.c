@@ -655,6 +655,11 @@ static PyObject *G_bind_p2p(Group *g, PyObject *const *args, Py_ssize_t nargs) {
         return PyErr_Format(PyExc_ValueError, "shm native bind_p2p: 6 x %d offsets expected",
                             g->size);
     }
+    if (g->p2p != NULL) {   /* a concurrent send or recv may be using the table */
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "shm native bind_p2p: already bound");
+        return NULL;
+    }
     Py_ssize_t *table = PyMem_Malloc(sizeof(Py_ssize_t) * 6 * (size_t)g->size);
     if (table == NULL) { Py_DECREF(seq); return PyErr_NoMemory(); }
     for (int r = 0; r < g->size; r++) {
@@ -668,7 +673,6 @@ static PyObject *G_bind_p2p(Group *g, PyObject *const *args, Py_ssize_t nargs) {
             goto fail;
     }
     Py_DECREF(seq);
-    PyMem_Free(g->p2p);
     g->p2p = table;
     g->ring_bytes = R;
     g->magic = (uint32_t)magic;
@@ -704,7 +708,8 @@ static PyObject *G_send(Group *g, PyObject *const *args, Py_ssize_t nargs) {
     Py_ssize_t R = g->ring_bytes;
     uint64_t tail = atomic_load_explicit(at_u64(g, t[3]), memory_order_acquire);
     Py_ssize_t need = 32 + p.len;
-    if ((uint64_t)need > (uint64_t)R - (head - tail)) {
+    /* (head - tail > R: a counter overwritten; never write past the ring) */
+    if (head - tail > (uint64_t)R || (uint64_t)need > (uint64_t)R - (head - tail)) {
         PyBuffer_Release(&p);
         return PyLong_FromLong(-1);
     }
@@ -734,8 +739,9 @@ static PyObject *G_send(Group *g, PyObject *const *args, Py_ssize_t nargs) {
 /* recv(src, tail, tag, out, budget) -> the new tail once the next message from src is
  * complete, has `tag` and len(out) bytes (copied into out; src's doorbell rung, as it
  * may wait for room); -1 if it is not all there within `budget` seconds (spin, yield,
- * then sleep on this rank's doorbell, the GIL released); -2 at once if the next message
- * is another one (tag, size or header): the Python engine decides then. */
+ * then, for a budget past the wait policy's window, sleep on this rank's doorbell, the
+ * GIL released); -2 at once if the next message is another one (tag, size or header) or
+ * larger than the ring: the Python engine decides then. */
 static PyObject *G_recv(Group *g, PyObject *const *args, Py_ssize_t nargs) {
     int src;
     uint64_t tail, tag;
@@ -751,7 +757,9 @@ static PyObject *G_recv(Group *g, PyObject *const *args, Py_ssize_t nargs) {
     const char *ring = (const char *)g->map.buf + t[1];
     Py_ssize_t R = g->ring_bytes;
     uint64_t need = 32 + (uint64_t)out.len, head;
-    long status = 0;   /* 0: not yet, 1: complete, -2: another message */
+    /* 0: not yet, 1: complete, -2: another message, or one that never fits the ring at
+     * once (the engine streams it: waiting here would only stall the sender) */
+    long status = need > (uint64_t)R ? -2 : 0;
     char header[32];
 #define CHECK_RING()                                                                  \
     head = atomic_load_explicit(headw, memory_order_acquire);                         \
@@ -762,12 +770,13 @@ static PyObject *G_recv(Group *g, PyObject *const *args, Py_ssize_t nargs) {
         memcpy(&mtag, header, 8);                                                     \
         memcpy(&nbytes, header + 8, 8);                                               \
         memcpy(&magic32, header + 20, 4);                                             \
-        if (magic32 != g->magic || mtag != tag || nbytes != (uint64_t)out.len)        \
+        if (magic32 != g->magic || mtag != tag || nbytes != (uint64_t)out.len ||      \
+            head - tail > (uint64_t)R)                                                \
             status = -2;                                                              \
         else if (head - tail >= need)                                                 \
             status = 1;                                                               \
     }
-    CHECK_RING()
+    if (status == 0) { CHECK_RING() }
     if (status == 0 && budget > 0) {
         Py_BEGIN_ALLOW_THREADS
         double start = now_s(), spin_end = start + g->spin_s;

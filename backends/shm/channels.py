@@ -13,7 +13,9 @@ Messages of one (src, tag) stay in order.
 
 Progress happens inside waits: whoever waits advances every pending send and receive of
 this process (under one lock, never held while asleep), so exchanges of large messages on
-a ring, or two ranks blocked sending to each other, always complete.
+a ring, or two ranks blocked sending to each other, always complete. One exception:
+a blocking receive with nothing of this rank in flight (``blocking_calls``) holds the
+lock through a short C wait (the wait policy's spin and yield window) for its message.
 """
 
 from __future__ import annotations
@@ -161,24 +163,24 @@ class Engine:
 
         ``recv_now(array, src, tag)`` waits in C for at most ``budget`` seconds (the
         wait policy's spin and yield, GIL released) until the next message from ``src``
-        is all in the ring, and takes it if it is this one; only when nothing of ours is
+        is all in the ring, and takes it if it is this one (one larger than the ring
+        goes to the engine at once, which streams it); only when nothing of ours is
         in flight (``pending`` 0: no send or receive of this rank needs progress
         meanwhile) and nothing could match first (no receive posted from ``src``, none
         half read, no ``(src, tag)`` message set aside). The lock is held through the
         wait: another thread of ours that posts meanwhile waits at most ``budget``.
         ``dst``/``src`` are peers (not this rank), ``tag`` a user tag."""
-        core, lock, heads, tails = self._core, self.lock, self._heads, self._tails
+        lock, heads, tails = self.lock, self._heads, self._tails
         sendq, posted, incoming = self._sendq, self._posted, self._incoming
         unexpected = self._unexpected
 
         def send_now(array: np.ndarray, dst: int, tag: int) -> None:
             dtype = array.dtype
-            code = codes.get(dtype, 0)
-            if dtype.itemsize == 2:      # bfloat16 has no buffer export: send its bits
-                array = array.view(np.uint16)
+            # (bfloat16 has no buffer export with a format: the core gets its bits)
+            bits = array.view(np.uint16) if dtype.itemsize == 2 else array
             with lock:
-                if not self.closed and not sendq[dst]:
-                    head = core.send(dst, heads[dst], tag, code, array)
+                if not self.closed and not sendq[dst]:   # (close() drops the core)
+                    head = self._core.send(dst, heads[dst], tag, codes.get(dtype, 0), bits)
                     if head >= 0:
                         heads[dst] = head
                         return
@@ -189,7 +191,7 @@ class Engine:
             with lock:
                 if not (self.pending or self.closed or posted[src] or incoming[src]
                         is not None or (unexpected and (src, tag) in unexpected)):
-                    tail = core.recv(src, tails[src], tag, bits, budget)
+                    tail = self._core.recv(src, tails[src], tag, bits, budget)
                     if tail >= 0:
                         tails[src] = tail
                         return
@@ -454,6 +456,7 @@ class Engine:
     def close(self) -> None:
         with self.lock:
             self.closed = True
+            self._core = None   # its hold on the mapping
             self._out_rings = self._in_rings = []  # drop views of the mapping
             error = CollectiveError(f"{self._where('p2p')}: the group was closed")
             for queue in self._sendq + self._posted:

@@ -7,7 +7,9 @@ in, the reduction, a copy out, about 4.5 times the message in memory traffic per
 and Open MPI's CMA transports do), so where the ranks may (same user, ptrace rules,
 one PID namespace) the all_reduce of ``a`` reads the peers' arrays where they lie:
 
-1. phase 1: every rank publishes the address of ``a`` and whether it can take this path
+1. phase 1 (needed every call anyway: the addresses change, and a peer must have entered
+   the call before its array may be read): every rank publishes the address of ``a`` and
+   whether it can take this path
    (the compiled core loaded, ``COLLECTIVES_SHM_CMA`` not ``0``, every peer's pid
    visible); all ranks read the same words, so they all decide alike. The first time
    all can, each also reads a word of every peer's array and publishes whether that
@@ -24,7 +26,8 @@ one PID namespace) the all_reduce of ``a`` reads the peers' arrays where they li
 Each element is reduced once, by its owner, in rank order, by the same kernels as the
 other paths: the ranks get bitwise-identical results, bitwise those of the pipelined
 path. Traffic per rank: the peers' pieces read once, the reduction, the gather read once,
-about 3 times the message. Messages of ``CMA_ALL_REDUCE_BYTES`` and more take this path;
+about 3 times the message. Messages of ``cma_min_bytes(n)`` and more take this path (1 MiB
+at 2 ranks; more with more ranks, whose pieces are smaller and whose reads are more);
 ``reduce`` (one root) and the other collectives keep theirs.
 """
 
@@ -42,12 +45,23 @@ from collectives.reduce_op import ReduceOp
 
 from .ops import _ALIGN, _DTYPE_CODE, _REDOP_BY_ID, OP_ALL_REDUCE
 
-#: all_reduce messages of at least this many bytes read the peers' memory directly.
+#: all_reduce messages of at least this many bytes, times ``size // 2``, read the peers'
+#: memory directly (measured: at 2 ranks the two paths cross near 1 MiB, at 4 ranks on
+#: 2 cores near 2 MiB).
 CMA_ALL_REDUCE_BYTES = 1 << 20
 #: ``0`` turns the single-copy path off on this rank (and so for its groups).
 CMA_ENV = "COLLECTIVES_SHM_CMA"
 #: Seconds a rank that found a peer's memory gone waits to see it die before it says so.
 _EXIT_GRACE = 2.0
+
+
+def cma_min_bytes(size: int) -> int:
+    """The smallest all_reduce a group of ``size`` ranks reads in place.
+
+    >>> cma_min_bytes(2) == cma_min_bytes(3) == CMA_ALL_REDUCE_BYTES
+    True
+    """
+    return CMA_ALL_REDUCE_BYTES * max(1, size // 2)
 
 
 class CmaReduce:
@@ -133,5 +147,5 @@ class CmaReduce:
                                 peer=gone[0])
         raise CollectiveError(
             f"{self._where(self._op_name)} (seq {self._op_seq}): {what} failed: "
-            f"{os.strerror(-rc)} (set {CMA_ENV}=0 on every rank to stage through shared "
-            f"memory instead)")
+            f"{os.strerror(-rc)} (with {CMA_ENV}=0 on any rank its groups stage through "
+            f"shared memory instead)")

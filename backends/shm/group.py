@@ -35,7 +35,7 @@ from collectives.work import Work
 
 from . import segment as sg
 from .channels import HEADER_BYTES, Engine, SendOp
-from .cma import CMA_ALL_REDUCE_BYTES, CmaReduce
+from .cma import CmaReduce, cma_min_bytes
 from .futex import Doorbells, wait_mode
 from .native_ops import NativePaths
 from .ops import _DTYPE_CODE, CollectiveOps, dtype_code, dtype_name
@@ -53,6 +53,7 @@ SPIN_ENV = "COLLECTIVES_SHM_SPIN_US"
 YIELD_ENV = "COLLECTIVES_SHM_YIELD_US"
 
 _SLICE = 0.2            # longest single sleep: the deadline and liveness are checked after
+_C_WAIT_MAX = 0.1       # longest C wait of a blocking recv before the checked wait takes over
 _LIVENESS_EVERY = 0.1   # seconds between pid checks of the ranks being waited for
 
 
@@ -144,12 +145,17 @@ class ShmGroup(NativePaths, CmaReduce, ReduceOps, CollectiveOps, ProcessGroup):
                                 [lay.ctrl_word(r, sg.W_SLEEPERS) for r in range(size)],
                                 rank, wait_mode())
         self._S = lay.chunk
+        self._cma_bytes = cma_min_bytes(size)
         self._use_native()  # the compiled core, its doorbells and the wait policy
         self._engine = Engine(seg, rank, size, self._bells.ring, self._where, dtype_name,
                               core=self._native)
-        if self._native is not None:  # blocking send and recv: one C call where they can
+        if self._native is not None and type(self)._send_now is ProcessGroup._send_now \
+                and type(self)._recv_now is ProcessGroup._recv_now:
+            # Blocking send and recv in one C call where they can (unless a subclass
+            # has hooks of its own); the C wait is bounded like every C wait here.
             self._send_now, self._recv_now = self._engine.blocking_calls(
-                self._isend, self._irecv, self._spin_s + self._yield_s, _DTYPE_CODE)
+                self._isend, self._irecv,
+                min(self._spin_s + self._yield_s, _C_WAIT_MAX, self.timeout), _DTYPE_CODE)
         self._phase = int(seg.u64[self._me_arrived])
         self._slots = [[seg.bytes[lay.slot_off(b, r):lay.slot_off(b, r) + lay.chunk]
                         for r in range(size)] for b in (0, 1)]
@@ -185,7 +191,7 @@ class ShmGroup(NativePaths, CmaReduce, ReduceOps, CollectiveOps, ProcessGroup):
         return (
             SizeThreshold("shm.reduce.SMALL_REDUCE_BYTES", self._small_limit,
                           ("all_reduce", "reduce")),
-            SizeThreshold("shm.cma.CMA_ALL_REDUCE_BYTES", CMA_ALL_REDUCE_BYTES,
+            SizeThreshold("shm.cma.CMA_ALL_REDUCE_BYTES", self._cma_bytes,
                           ("all_reduce",)),
             SizeThreshold("shm.slot (COLLECTIVES_SHM_CHUNK_BYTES)", S,
                           ("broadcast", "all_reduce", "reduce", "all_gather", "gather")),
@@ -200,7 +206,8 @@ class ShmGroup(NativePaths, CmaReduce, ReduceOps, CollectiveOps, ProcessGroup):
                                                                            sg.STATE_CLOSED),
                     check_pid: bool, done: Optional[Callable[[], bool]] = None) -> None:
         """Raise PeerError if rank ``r`` closed, failed or died, unless ``done()`` says
-        that what this rank waits for from ``r`` arrived after all.
+        that what this rank waits for from ``r`` arrived after all. Where ``r`` failed,
+        a peer that died is named instead: ``r`` most likely failed because of it.
 
         ``done`` is asked *after* the state (and the pid) was read, and that order is
         what makes it right: a peer publishes its arrival (or its message) before it
@@ -228,7 +235,10 @@ class ShmGroup(NativePaths, CmaReduce, ReduceOps, CollectiveOps, ProcessGroup):
     def _raise_if_a_peer_died(self, what: str, seq: int) -> None:
         """PeerError naming a peer whose process is gone, if one is: where a peer
         failed because another died (it noticed first), the dead one is what to name."""
+        u64 = self._u64
         for p in self._peers:
+            if u64 is not None and u64[self._state_idx[p]] == sg.STATE_CLOSED:
+                continue   # it left the group in order (and may have exited since)
             if self._pid_checkable[p] and not process_alive(self._pids[p]):
                 raise PeerError(f"{self._where_seq(what, seq)}: rank {p} (pid "
                                 f"{self._pids[p]}) died", peer=p)
@@ -401,6 +411,8 @@ class ShmGroup(NativePaths, CmaReduce, ReduceOps, CollectiveOps, ProcessGroup):
                 pass
             self._native = None  # releases its hold on the mapping
             self._engine.close()
+            for name in ("_send_now", "_recv_now", "_all_reduce"):
+                self.__dict__.pop(name, None)   # the bound fast paths (and their cycles)
             self._typed.clear()
             self._small_cache.clear()
             self._slots = []

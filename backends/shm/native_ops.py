@@ -26,6 +26,7 @@ from . import segment as sg
 from .channels import RecvOp
 from .native import NativeDoorbells, native_module, wait_policy
 from .ops import _DTYPE_CODE, _REDOP_BY_ID, OP_ALL_REDUCE
+from .reduce import ReduceOps
 
 #: Longest single C wait: the deadline and the peers' pids are checked in between.
 _LIVENESS_EVERY = 0.1
@@ -34,7 +35,8 @@ _SLICE = 0.2
 
 
 class NativePaths:
-    """The native ``_exchange`` and ``_small_reduce`` (bound by ``_use_native``)."""
+    """The native ``_exchange``, ``_small_reduce``, ``_p2p_wait`` and ``_all_reduce``
+    (bound on the instance by ``_use_native``)."""
 
     _native = None   # the core's Group for this rank, or None on the Python path
     _native_combine = None   # the core's rank-order reduction (GIL released), or None
@@ -62,7 +64,8 @@ class NativePaths:
         self._DONE, self._MISMATCH = mod.DONE, mod.MISMATCH
         self._exchange = self._exchange_native
         self._small_reduce = self._small_reduce_native
-        self._all_reduce = self._all_reduce_native
+        if type(self)._all_reduce is ReduceOps._all_reduce:   # (not over a subclass's)
+            self._all_reduce = self._all_reduce_native
         self._small_bytes = self._small_limit
         self._wait_budget = min(_LIVENESS_EVERY, self.timeout)
         self._p2p_wait = self._p2p_wait_native

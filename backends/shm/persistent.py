@@ -1,5 +1,5 @@
 """The shm backend's persistent collectives: the path a round takes (the one-phase small
-reduce or the pipelined one; the gather or scatter phases) is picked once, at the
+reduce or the large one, single-copy or pipelined; the gather or scatter phases) is picked once, at the
 request's init, over flat arrays made once, and each round calls the group's phase
 functions directly. See :mod:`collectives.persistent` for the contract.
 

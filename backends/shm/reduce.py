@@ -7,7 +7,7 @@ order straight into its array: ``a = s0 (op) s1``, then ``a = a (op) s_r``. View
 exactly the message's length are cached per (dtype, length), so the hot path does no
 slicing: one copy in and n - 1 ufunc calls (plus a division for AVG).
 
-Large messages: an all_reduce of ``cma.CMA_ALL_REDUCE_BYTES`` or more reads the peers'
+Large messages: an all_reduce of ``cma.cma_min_bytes(n)`` or more reads the peers'
 arrays in place where the group can (``cma.py``); otherwise, and for ``reduce``,
 reduce-scatter then all-gather, pipelined one chunk per phase. A chunk of
 C = n x P elements splits into n pieces of P; rank k owns piece k. In the phase of chunk
@@ -38,7 +38,6 @@ import numpy as np
 
 from collectives.reduce_op import ReduceOp, finish, kernel
 
-from .cma import CMA_ALL_REDUCE_BYTES
 from .ops import _ALIGN, _DTYPE_CODE, _REDOP_BY_ID, OP_ALL_REDUCE, OP_REDUCE
 
 #: all_reduce/reduce up to this many bytes take the one-phase path.
@@ -78,10 +77,10 @@ class ReduceOps:
 
     def _large_reduce(self, a: np.ndarray, op: ReduceOp, seq: int, dst: int,
                       opcode: int) -> None:
-        """A message past the one-phase path: an all_reduce from ``CMA_ALL_REDUCE_BYTES``
+        """A message past the one-phase path: an all_reduce from ``cma_min_bytes(n)``
         reads the peers' memory directly where the group can (``cma.py``), everything
         else is pipelined through the segment."""
-        if dst < 0 and a.nbytes >= CMA_ALL_REDUCE_BYTES and self._cma is not False \
+        if dst < 0 and a.nbytes >= self._cma_bytes and self._cma is not False \
                 and self._cma_all_reduce(a, op, seq):
             return
         self._pipelined_reduce(a, op, seq, dst, opcode)
