@@ -157,3 +157,41 @@ def test_blocking_send_and_recv_keep_the_general_paths_guarantees(backend, env):
     assert "tag 9" in mismatch and "float32" in mismatch, mismatch
     if backend == "shm":
         assert [r["native"] for r in results] == [not env] * 2
+
+
+def _threads_job(rounds: int) -> list:
+    """Two threads per rank ping-pong with the peer at once, one per tag, blocking: each
+    thread's messages must come back whole and in order while the other thread's share
+    the same ring (the core sees the other tag first and hands over to the engine)."""
+    import threading
+    pg = collectives.init_process_group()
+    me, peer = pg.rank, 1 - pg.rank
+    wrong = []
+
+    def play(tag: int) -> None:
+        got = np.zeros(64, np.int64)
+        for i in range(rounds):
+            mine = np.full(64, 1000 * tag + i, np.int64)
+            if me == 0:
+                pg.send(mine, peer, tag=tag)
+                pg.recv(got, peer, tag=tag)
+            else:
+                pg.recv(got, peer, tag=tag)
+                pg.send(mine, peer, tag=tag)
+            if not np.all(got == 1000 * tag + i):
+                wrong.append((tag, i, int(got[0])))
+    threads = [threading.Thread(target=play, args=(tag,)) for tag in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=100)
+    alive = [t.is_alive() for t in threads]
+    pg.close()
+    return wrong + [("thread still running", a) for a in alive if a]
+
+
+@pytest.mark.parametrize("env", [{}, {"COLLECTIVES_SHM_NATIVE": "0"}], ids=["shm", "shm-py"])
+def test_two_threads_of_a_rank_send_and_receive_at_once(env):
+    results = collectives.spawn(_threads_job, 2, backend="shm", args=(300,), timeout=60,
+                                join_timeout=200, env=env)
+    assert results == [[], []], results
