@@ -41,6 +41,7 @@ import numpy as np
 from .buffers import SUPPORTED_DTYPES, _TORCH_TO_NUMPY, _init_torch_table
 from .errors import CollectiveError
 from .reduce_op import ReduceOp
+from .validation import MAX_USER_TAG
 
 #: Tensors whose storage is at most this many bytes are cached: the cached numpy view
 #: keeps the storage alive, so large temporaries must not be pinned (their per-call cost
@@ -150,15 +151,24 @@ class FastPath:
         return None
 
     def _fast_p2p(self, op: str, hook: Callable[[np.ndarray, int, int], None],
-                  flat: np.ndarray, peer: int, tag: int, shape: Any) -> None:
-        """A blocking send or receive: ``hook(flat, peer, tag)`` (``_send_now`` or
-        ``_recv_now``) inline, recorded as ``_post_p2p`` records it (not numbered)."""
+                  tensor: Any, peer: Any, tag: Any) -> bool:
+        """A blocking send or receive of ``tensor``: when the path applies (a peer and a
+        user tag as plain ints, contiguous CPU memory), ``hook(flat, peer, tag)``
+        (``_send_now`` or ``_recv_now``) inline, recorded as ``_post_p2p`` records it
+        (not numbered), and True; False leaves the call to the general path."""
+        if not (self._fast and peer.__class__ is int and tag.__class__ is int
+                and 0 <= peer < self.size and peer != self.rank and 0 <= tag < MAX_USER_TAG):
+            return False
+        found = self._host_views.lookup(tensor)
+        if found is None:
+            return False
+        flat, shape = found
         if self._closed:
             raise CollectiveError(f"{self._where(op)}: the group is closed")
         recorder = self._recorder
         if recorder is None:
             hook(flat, peer, tag)
-            return None
+            return True
         t0 = _time()
         try:
             hook(flat, peer, tag)
@@ -166,7 +176,7 @@ class FastPath:
             self._fast_failed((-1, op, shape, flat.dtype, -1, None, peer, t0), exc)
             raise
         recorder.append((-1, op, shape, flat.dtype, -1, None, peer, t0, _time(), "ok"))
-        return None
+        return True
 
     def _fast_failed(self, started: tuple, exc: BaseException) -> None:
         """Record a fast call that raised (``started``: its record up to the start time)

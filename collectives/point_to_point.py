@@ -11,7 +11,6 @@ from typing import Any, Callable
 
 from .buffers import HostBuffer
 from .running import _CommitOnWait, _RecordedWork
-from .validation import MAX_USER_TAG
 from .work import Work
 
 Tensor = Any  # torch.Tensor or numpy.ndarray
@@ -65,18 +64,10 @@ class PointToPointCalls:
 
         Rank 0: ``pg.send(t, dst=1)``; rank 1: ``pg.recv(t, src=0)``.
         """
-        if (self._fast and dst.__class__ is int and tag.__class__ is int
-                and 0 <= dst < self.size and dst != self.rank and 0 <= tag < MAX_USER_TAG):
-            found = self._host_views.lookup(tensor)  # (collectives.fast_path)
-            if found is not None:
-                return self._fast_p2p("send", self._send_now, found[0], dst, tag, found[1])
-        self._start_p2p("send", tensor, dst, tag, send=True).wait()
+        if not self._fast_p2p("send", self._send_now, tensor, dst, tag):
+            self._start_p2p("send", tensor, dst, tag, send=True).wait()
 
     def recv(self, tensor: Tensor, src: int, tag: int = 0) -> None:
         """Receive into ``tensor`` (same shape and dtype as the sender's) from ``src``."""
-        if (self._fast and src.__class__ is int and tag.__class__ is int
-                and 0 <= src < self.size and src != self.rank and 0 <= tag < MAX_USER_TAG):
-            found = self._host_views.lookup(tensor)
-            if found is not None:
-                return self._fast_p2p("recv", self._recv_now, found[0], src, tag, found[1])
-        self._start_p2p("recv", tensor, src, tag, send=False).wait()
+        if not self._fast_p2p("recv", self._recv_now, tensor, src, tag):
+            self._start_p2p("recv", tensor, src, tag, send=False).wait()

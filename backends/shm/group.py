@@ -53,7 +53,6 @@ SPIN_ENV = "COLLECTIVES_SHM_SPIN_US"
 YIELD_ENV = "COLLECTIVES_SHM_YIELD_US"
 
 _SLICE = 0.2            # longest single sleep: the deadline and liveness are checked after
-_C_WAIT_MAX = 0.1       # longest C wait of a blocking recv before the checked wait takes over
 _LIVENESS_EVERY = 0.1   # seconds between pid checks of the ranks being waited for
 
 
@@ -154,8 +153,8 @@ class ShmGroup(NativePaths, CmaReduce, ReduceOps, CollectiveOps, ProcessGroup):
             # Blocking send and recv in one C call where they can (unless a subclass
             # has hooks of its own); the C wait is bounded like every C wait here.
             self._send_now, self._recv_now = self._engine.blocking_calls(
-                self._isend, self._irecv,
-                min(self._spin_s + self._yield_s, _C_WAIT_MAX, self.timeout), _DTYPE_CODE)
+                self._isend, self._irecv, min(self._spin_s + self._yield_s,
+                                              self._wait_budget), _DTYPE_CODE)
         self._phase = int(seg.u64[self._me_arrived])
         self._slots = [[seg.bytes[lay.slot_off(b, r):lay.slot_off(b, r) + lay.chunk]
                         for r in range(size)] for b in (0, 1)]
@@ -226,11 +225,18 @@ class ShmGroup(NativePaths, CmaReduce, ReduceOps, CollectiveOps, ProcessGroup):
             how = "closed the group" if state == sg.STATE_CLOSED else \
                 "failed in a collective (see its own error)"
             raise PeerError(f"{self._where_seq(what, seq)}: rank {r} {how}", peer=r)
-        if check_pid and self._pid_checkable[r] and not process_alive(self._pids[r]):
+        if check_pid and self._dead(r):
             if done is not None and self._u64 is not None and done():
                 return
-            raise PeerError(f"{self._where_seq(what, seq)}: rank {r} (pid {self._pids[r]}) "
-                            f"died", peer=r)
+            raise self._died(r, what, seq)
+
+    def _dead(self, r: int) -> bool:
+        """Rank ``r``'s process is gone (as far as this rank can see its pid)."""
+        return self._pid_checkable[r] and not process_alive(self._pids[r])
+
+    def _died(self, r: int, what: str, seq: int) -> PeerError:
+        return PeerError(f"{self._where_seq(what, seq)}: rank {r} (pid {self._pids[r]}) "
+                         f"died", peer=r)
 
     def _raise_if_a_peer_died(self, what: str, seq: int) -> None:
         """PeerError naming a peer whose process is gone, if one is: where a peer
@@ -239,9 +245,8 @@ class ShmGroup(NativePaths, CmaReduce, ReduceOps, CollectiveOps, ProcessGroup):
         for p in self._peers:
             if u64 is not None and u64[self._state_idx[p]] == sg.STATE_CLOSED:
                 continue   # it left the group in order (and may have exited since)
-            if self._pid_checkable[p] and not process_alive(self._pids[p]):
-                raise PeerError(f"{self._where_seq(what, seq)}: rank {p} (pid "
-                                f"{self._pids[p]}) died", peer=p)
+            if self._dead(p):
+                raise self._died(p, what, seq)
 
     def _where_seq(self, what: str, seq: int) -> str:
         # Built only when raising: _check_peer runs on every slow wait.

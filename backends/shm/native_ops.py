@@ -66,8 +66,8 @@ class NativePaths:
         self._small_reduce = self._small_reduce_native
         if type(self)._all_reduce is ReduceOps._all_reduce:   # (not over a subclass's)
             self._all_reduce = self._all_reduce_native
-        self._small_bytes = self._small_limit
-        self._wait_budget = min(_LIVENESS_EVERY, self.timeout)
+        self._small_bytes = self._small_limit   # (read per call: no property there)
+        self._wait_budget = min(_LIVENESS_EVERY, self.timeout)  # longest single C wait
         self._p2p_wait = self._p2p_wait_native
         self._native_combine = mod.combine
         self._native_module = mod
