@@ -48,8 +48,43 @@ class SpawnError(CollectiveError):
         self.remote_traceback = remote_traceback
 
 
+#: Lowest port `free_port` draws from (below it lie well-known and registered services).
+_LOWEST_DRAWN_PORT = 10000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands out by itself (to ``bind(port 0)`` and to the source
+    of every outgoing connection)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host``."""
+    """A TCP port that was free a moment ago on ``host``, drawn from below the kernel's
+    ephemeral range.
+
+    Why not ``bind(port 0)``: that port comes from the ephemeral range, and the moment it
+    is released the kernel may hand it to any process's next ``bind(port 0)`` or outgoing
+    connection (the ranks of the very job about to listen there bind their own data
+    sockets that way), so rank 0's listen could fail with "Address already in use". A
+    port below the range is taken only by an explicit bind. Falls back to ``port 0``
+    where the range leaves no room below it.
+    """
+    low, _ = _ephemeral_range()
+    rng = secrets.SystemRandom()
+    for _ in range(64 if low > _LOWEST_DRAWN_PORT + 1000 else 0):
+        port = rng.randrange(_LOWEST_DRAWN_PORT, low)
+        # no SO_REUSEADDR: a port with a connection still in TIME_WAIT counts as taken
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

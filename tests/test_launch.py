@@ -152,6 +152,20 @@ def test_spawn_reports_a_rank_that_dies():
     assert info.value.exitcode == 7
 
 
+def test_free_port_is_drawn_outside_the_kernels_ephemeral_range():
+    """A meeting port handed out by ``bind(port 0)`` can be taken by the next outgoing
+    connection or ephemeral bind of any process (a CI failure: "rank 0 cannot listen ...
+    Address already in use"); free_port draws below that range, and the port binds."""
+    import socket
+    from collectives.spawn import _ephemeral_range, free_port
+    low, _ = _ephemeral_range()
+    ports = {free_port() for _ in range(20)}
+    assert all(10000 <= p < low for p in ports), (ports, low)
+    assert len(ports) > 1  # drawn, not one fixed port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))
+
+
 def test_spawn_rejects_bad_nproc():
     with pytest.raises(ValueError, match="nproc"):
         collectives.spawn(_identity, 0)
