@@ -6,7 +6,7 @@ flight record, with a transport that does nothing.
 
 A world of one rank whose collective hooks return at once (``NoOpGroup`` below), so the
 time per call is the base class's and nothing else's. Each row times N calls in a tight
-loop (the least of many repeats) for a contiguous CPU float32 torch tensor and numpy
+loop (the least of many repeats, the rows taking turns loop by loop) for a contiguous CPU float32 torch tensor and numpy
 array, once through the fast path (``collectives.fast_path``) and once through the
 general path (the fast path switched off on the group), side by side in one run, and
 through a persistent request (``all_reduce_init``: ``start(); wait()``) beside the
@@ -55,64 +55,84 @@ class NoOpGroup(ProcessGroup):
         return None
 
 
-def _per_call(fn, iters: int, repeats: int) -> float:
-    """The least, over ``repeats`` loops of ``iters`` calls, of the mean time of one
-    ``fn()`` (as ``timeit`` advises: the other loops were slowed by other processes)."""
-    for _ in range(min(iters, 1000)):
+def _loop_mean(fn, iters: int) -> float:
+    """Mean seconds of one ``fn()`` over a loop of ``iters`` calls."""
+    t0 = time.perf_counter()
+    for _ in range(iters):
         fn()
-    means = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
+    return (time.perf_counter() - t0) / iters
+
+
+def _least_per_call(cases: list, iters: int, repeats: int) -> list[float]:
+    """For each ``(fn, setup)`` of ``cases``, the least over ``repeats`` loops of
+    ``iters`` calls of the mean microseconds of one ``fn()`` (``setup()`` runs before
+    each of its loops). The cases take turns loop by loop: on a shared machine the slow
+    spells (other processes, a throttled core) last seconds, and taking turns spreads
+    them over every case instead of charging whichever ran then; the least, as ``timeit``
+    advises, is the loop that other processes slowed least."""
+    for fn, setup in cases:
+        setup()
+        for _ in range(min(iters, 1000)):
             fn()
-        means.append((time.perf_counter() - t0) / iters)
-    return min(means) * 1e6
+    best = [float("inf")] * len(cases)
+    for _ in range(repeats):
+        for i, (fn, setup) in enumerate(cases):
+            setup()
+            best[i] = min(best[i], _loop_mean(fn, iters))
+    return [b * 1e6 for b in best]
 
 
 def run(iters: int, repeats: int) -> list[dict]:
     import torch
 
     pg = NoOpGroup()
-    rows = []
 
     class Empty:
         def call(self, tensor):
             return None
 
     empty = Empty()
-    floor = _per_call(lambda: empty.call(None), iters, repeats)
+    rows: list[dict] = []
+    cases: list = []
+
+    def fast_path(on: bool):
+        def setup() -> None:
+            pg._fast = on
+        return setup
+
     for kind, t in (("torch", torch.ones(1)), ("numpy", np.ones(1, np.float32))):
-        cases = {
+        calls = {
             "all_reduce": lambda t=t: pg.all_reduce(t),
             "broadcast": lambda t=t: pg.broadcast(t, 0),
         }
-        cases["all_reduce async+wait"] = lambda t=t: pg.all_reduce(t, async_op=True).wait()
-        if hasattr(pg, "all_reduce_init"):
-            req = pg.all_reduce_init(t)
+        for name, fn in calls.items():
+            for path, on in (("fast", True), ("general", False)):
+                rows.append({"op": name, "tensor": kind, "path": path})
+                cases.append((fn, fast_path(on)))
+        rows.append({"op": "all_reduce async+wait", "tensor": kind, "path": "async"})
+        cases.append((lambda t=t: pg.all_reduce(t, async_op=True).wait(), fast_path(True)))
+        req = pg.all_reduce_init(t)
 
-            def persistent(req=req):
-                req.start()
-                req.wait()
-            cases["all_reduce_init start+wait"] = persistent
-        for name, fn in cases.items():
-            paths = [("fast", True), ("general", False)] if "+wait" not in name else [
-                ("persistent" if "init" in name else "async", True)]
-            for path, fast in paths:
-                pg._fast = fast
-                us = _per_call(fn, iters, repeats)
-                rows.append({"op": name, "tensor": kind, "path": path,
-                             "us_per_call": round(us, 3), "base_us": round(us - floor, 3)})
-            pg._fast = True
+        def persistent(req=req):
+            req.start()
+            req.wait()
+        rows.append({"op": "all_reduce_init start+wait", "tensor": kind, "path": "persistent"})
+        cases.append((persistent, fast_path(True)))
+    rows.append({"op": "empty method call", "tensor": "-", "path": "-"})
+    cases.append((lambda: empty.call(None), fast_path(True)))
+    times = _least_per_call(cases, iters, repeats)
     pg.close()
-    rows.append({"op": "empty method call", "tensor": "-", "path": "-",
-                 "us_per_call": round(floor, 3), "base_us": 0.0})
+    floor = times[-1]
+    for row, us in zip(rows, times):
+        row["us_per_call"] = round(us, 3)
+        row["base_us"] = round(us - floor, 3)
     return rows
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=5000)
-    parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=60)
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args()
     rows = run(args.iters, args.repeats)

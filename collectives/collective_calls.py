@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from .buffers import host_dtype
-from .fast_path import VALID_REDUCTIONS
 from .reduce_op import ReduceOp, check_reducible
 from .work import Work
 
@@ -30,12 +29,11 @@ class CollectiveCalls:
         Both ranks: ``t = np.full(2, pg.rank, np.int64); pg.broadcast(t, src=1)`` ->
         ``[1, 1]`` everywhere.
         """
-        if self._fast and not async_op and not self._pending and type(src) is int \
-                and 0 <= src < self.size:
-            found = self._host_views.lookup(tensor)  # (collectives.fast_path)
-            if found is not None:
-                return self._fast_run("broadcast", self._broadcast, found[0], src, found[1],
-                                      src, None)
+        if (self._fast and not async_op and not self._pending and type(src) is int
+                and 0 <= src < self.size
+                and self._fast_collective("broadcast", self._broadcast, tensor, src, src,
+                                          None)):  # (collectives.fast_path)
+            return None
         w = self._where("broadcast")
         self._check_tensor(tensor, "tensor", w)
         src = self._check_rank(src, "src", w)
@@ -51,13 +49,10 @@ class CollectiveCalls:
 
         Both ranks: ``t = np.full(2, pg.rank + 1.0); pg.all_reduce(t)`` -> ``[3., 3.]``.
         """
-        if self._fast and not async_op and not self._pending:
-            found = self._host_views.lookup(tensor)  # (collectives.fast_path)
-            if found is not None:
-                flat = found[0]
-                if (id(op), id(flat.dtype)) in VALID_REDUCTIONS:
-                    return self._fast_run("all_reduce", self._all_reduce, flat, op,
-                                          found[1], -1, op)
+        if (self._fast and not async_op and not self._pending and op is not None
+                and self._fast_collective("all_reduce", self._all_reduce, tensor, op, -1,
+                                          op)):  # (collectives.fast_path)
+            return None
         w = self._where("all_reduce")
         self._check_tensor(tensor, "tensor", w)
         op = check_reducible(op, host_dtype(tensor), w)

@@ -56,11 +56,14 @@ _time = time.time
 #: an equal dtype that is not the canonical object (one with metadata) takes the general
 #: path. Canonical builtin dtypes are native-endian.
 _DTYPE_IDS = frozenset(id(d) for d in SUPPORTED_DTYPES)
-#: (id(ReduceOp member), id(dtype)) pairs that check_reducible accepts: no bool, no AVG
-#: on integers. Members and canonical dtypes live as long as the interpreter.
-VALID_REDUCTIONS = frozenset(
-    (id(op), id(d)) for op in ReduceOp for d in SUPPORTED_DTYPES
-    if d != np.bool_ and not (op is ReduceOp.AVG and np.issubdtype(d, np.integer)))
+#: id(dtype) -> the ids of the ReduceOp members that check_reducible accepts for it: no
+#: bool, no AVG on integers (two int lookups, no tuple to build and hash). Members and
+#: canonical dtypes live as long as the interpreter.
+VALID_REDUCTIONS: dict[int, frozenset] = {
+    id(d): frozenset(id(op) for op in ReduceOp
+                     if not (op is ReduceOp.AVG and np.issubdtype(d, np.integer)))
+    for d in SUPPORTED_DTYPES if d != np.bool_}
+_NO_OPS: frozenset = frozenset()
 
 
 class HostViews:
@@ -122,17 +125,40 @@ class HostViews:
 
 
 class FastPath:
-    """``_fast_run`` and ``_fast_p2p``; needs the state ``ProcessGroup.__init__`` sets
+    """``_fast_collective`` and ``_fast_p2p``; needs the state ``ProcessGroup.__init__`` sets
     up (``_fast`` says whether this group may use the path at all)."""
 
     _fast: bool
     _host_views: HostViews
 
-    def _fast_run(self, op: str, hook: Callable[[np.ndarray, Any, int], Any],
-                  flat: np.ndarray, arg: Any, shape: Any, root: int,
-                  reduce_op: Any) -> None:
-        """Number the call, run ``hook(flat, arg, seq)`` inline and record it: what
-        ``_dispatch_collective`` + ``_run`` do for a blocking call with nothing queued."""
+    def _fast_collective(self, op: str, hook: Callable[[np.ndarray, Any, int], Any],
+                         tensor: Any, arg: Any, root: int, reduce_op: Any) -> bool:
+        """A blocking collective on ``tensor`` whose other arguments the caller checked:
+        when the path applies (contiguous, writable CPU memory of a supported dtype, and
+        ``reduce_op`` valid for it; None for a collective that does not reduce, so the
+        caller of one that does sees to it that its op is not None), number the call, run ``hook(flat, arg,
+        seq)`` inline, record it, and return True: what ``_dispatch_collective`` +
+        ``_run`` do for a blocking call with nothing queued. False leaves the call to the
+        general path.
+
+        A numpy array is checked here rather than in ``HostViews.lookup``: one Python call
+        less per collective (about 0.1 us of the microsecond this path has)."""
+        if tensor.__class__ is np.ndarray:
+            dtype = tensor.dtype
+            flags = tensor.flags
+            if not (flags.c_contiguous and flags.writeable and id(dtype) in _DTYPE_IDS):
+                return False
+            shape = tensor.shape
+            flat = tensor if len(shape) == 1 else tensor.reshape(-1)
+        else:
+            found = self._host_views.lookup(tensor)
+            if found is None:
+                return False
+            flat, shape = found
+            dtype = flat.dtype
+        if reduce_op is not None and id(reduce_op) not in VALID_REDUCTIONS.get(id(dtype),
+                                                                               _NO_OPS):
+            return False
         if self._closed:
             raise CollectiveError(f"{self._where(op)}: the group is closed")
         seq = self._seq
@@ -140,15 +166,15 @@ class FastPath:
         recorder = self._recorder
         if recorder is None:
             hook(flat, arg, seq)
-            return None
+            return True
         t0 = _time()
         try:
             hook(flat, arg, seq)
         except BaseException as exc:
-            self._fast_failed((seq, op, shape, flat.dtype, root, reduce_op, -1, t0), exc)
+            self._fast_failed((seq, op, shape, dtype, root, reduce_op, -1, t0), exc)
             raise
-        recorder.append((seq, op, shape, flat.dtype, root, reduce_op, -1, t0, _time(), "ok"))
-        return None
+        recorder.append((seq, op, shape, dtype, root, reduce_op, -1, t0, _time(), "ok"))
+        return True
 
     def _fast_p2p(self, op: str, hook: Callable[[np.ndarray, int, int], None],
                   tensor: Any, peer: Any, tag: Any) -> bool:
