@@ -13,9 +13,10 @@ picks a free port); under torchrun, whose agent already serves that port
 (``TORCHELASTIC_USE_AGENT_STORE=True``, the default since torch 2.4), every rank is a
 client. Keys live under ``collectives/<restart>/world<k>/``, ``k`` counting the worlds this
 process opened on that store, and a sub-group's under its parent's prefix plus its members
-and instance number. A store is released when the last group on it closes (``_Meeting``:
-rank 0 stops its server once the other ranks reported their close, and a rank joining
-the next world at the same port makes sure it reached the server of that world). A gloo
+and instance number. A store is released when the last group on it closes
+(``_Meeting``, :mod:`backends.torch_meeting`: rank 0 stops its server once the other
+ranks reported their close, and a rank joining the next world at the same port makes
+sure it reached the server of that world). A gloo
 group is returned only after a barrier over it, so that no rank can close it (or exit)
 while a peer is still finishing its handshake.
 
@@ -64,11 +65,9 @@ NCCL ignores send/recv tags: messages between a pair match in posting order.
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import datetime
 import os
-import re
 import socket
 import threading
 import time
@@ -89,6 +88,9 @@ from collectives.lifetime import close_at_exit, forget_at_exit, process_alive
 from collectives.launch import Rendezvous
 from collectives.reduce_op import ReduceOp, finish
 from collectives.work import Work
+
+from .torch_meeting import _construct, _first_line, _Meeting, _world_store
+from .torch_work import _WATCH_INTERVAL, TorchWork, _is_watch_timeout
 
 try:
     from numpy.lib.array_utils import byte_bounds as _byte_bounds
@@ -127,10 +129,6 @@ _REDUCE_SCATTER_OPTS = {op: _options(dist.ReduceScatterOptions, reduceOp=c)
                         for op, c in _C10D_OP.items()}
 _ALLTOALL_OPTS = dist.AllToAllOptions()
 _BARRIER_OPTS = dist.BarrierOptions()
-#: How often a blocking wait on gloo looks for peers that died on this host: gloo tells
-#: only the ranks connected to the dead one in the current operation; the others would
-#: wait for the whole group timeout.
-_WATCH_INTERVAL = datetime.timedelta(seconds=0.5)
 #: After a timeout, how long to wait for the other ranks to report theirs (the ranks
 #: that do not are named as missing).
 _TIMEOUT_REPORT_GRACE = 1.0
@@ -202,118 +200,6 @@ def _wire_tag(tag: int) -> int:
     if tag < _MAX_C10D_TAG:
         return tag
     return _FOLDED_TAG_BASE | fold_tag(tag, 30)
-
-
-# ------------------------------------------------------------------------------ Work
-
-def _is_watch_timeout(exc: RuntimeError) -> bool:
-    """Whether ``exc`` is the end of one ``wait(_WATCH_INTERVAL)`` slice, not a real error.
-
-    gloo words it per op: a collective's work says "Operation timed out!", a send or a
-    receive "Timed out waiting 500ms for recv operation to complete" (torch 2.13), with
-    the slice's length in milliseconds; the group timeout names its own, longer, length.
-    """
-    text = str(exc)
-    return ("Operation timed out!" in text
-            or f"Timed out waiting {round(_WATCH_INTERVAL.total_seconds() * 1000)}ms" in text)
-
-
-class TorchWork(Work):
-    """One operation on a torch group: torch's work object plus what remains to do once
-    it finished (AVG's division, int16's narrowing, writing staged results back).
-
-    ``wait(timeout)`` raises :class:`CollectiveTimeout` when the operation is still
-    running after ``timeout`` seconds (it goes on; wait again later).
-
-    A send or receive cannot be polled: gloo's ``is_completed()`` of one stays false until
-    someone waited on it, and a ``wait(timeout)`` that times out closes the connection
-    (torch 2.13: "Application timeout caused pair closure"). So such a Work is finished
-    by one plain ``wait()``, on a thread of its own once somebody polls it.
-    """
-
-    def __init__(self, group: "TorchGroup", op: str, seq: int, works: Sequence[Any],
-                 thens: Sequence[Callable[[], None]] = (),
-                 buffers: Sequence[HostBuffer] = (), keep: Sequence[Any] = (),
-                 peer: int = -1) -> None:
-        self._group = group
-        self._op, self._seq, self._peer = op, seq, peer
-        self._works = list(works)
-        self._thens = list(thens)
-        self._buffers = list(buffers)
-        self._keep = list(keep)  # the tensors torch's work reads and writes
-        self._spans: list = []  # the memory of its arguments (see TorchGroup._run)
-        self._lock = threading.Lock()
-        self._finished = False
-        self._error: Optional[BaseException] = None
-        self._p2p = seq < 0 and peer >= 0
-        self._waiter: Optional[threading.Thread] = None
-
-    def wait(self, timeout: Optional[float] = None) -> None:
-        if not self._finished:
-            if timeout is not None:
-                self._poll(timeout)
-            self._finish()
-        if self._error is not None:
-            raise self._error
-
-    def is_completed(self) -> bool:
-        if self._p2p:
-            self._start_waiter()
-        elif not self._finished and all(w.is_completed() for w in self._works):
-            self._finish()
-        return self._finished
-
-    def _start_waiter(self) -> None:
-        with self._lock:
-            if self._waiter is None and not self._finished:
-                self._waiter = threading.Thread(target=self._finish, daemon=True,
-                                                name=f"collectives-gloo-{self._op}")
-                self._waiter.start()
-
-    def _poll(self, timeout: float) -> None:
-        if self._p2p:
-            self._start_waiter()
-            waiter = self._waiter
-            if waiter is not None:
-                waiter.join(timeout)
-                if waiter.is_alive():
-                    raise CollectiveTimeout(
-                        f"{self._group._describe(self._op, self._seq)}: still running "
-                        f"after Work.wait(timeout={timeout})", op=self._op, seq=self._seq,
-                        missing=(self._peer,))
-            return
-        deadline = time.monotonic() + timeout
-        delay = 20e-6
-        while not all(w.is_completed() for w in self._works):
-            now = time.monotonic()
-            if now >= deadline:
-                raise CollectiveTimeout(
-                    f"{self._group._describe(self._op, self._seq)}: still running after "
-                    f"Work.wait(timeout={timeout})", op=self._op, seq=self._seq,
-                    missing=(self._peer,) if self._peer >= 0 else ())
-            time.sleep(min(delay, deadline - now))
-            delay = min(2 * delay, 2e-3)
-
-    def _finish(self) -> None:
-        with self._lock:
-            if self._finished:
-                return
-            try:
-                for w in self._works:
-                    self._group._wait(w, self._op, self._seq, self._peer)
-                for then in self._thens:
-                    then()
-                for b in self._buffers:
-                    b.commit()
-            except RuntimeError as exc:
-                self._error = self._group._translate(exc, self._op, self._seq, self._peer)
-            finally:
-                self._finished = True
-                # Drop torch's work objects (and the tensors they hold) here, in a
-                # Python thread, never last in one of gloo's threads.
-                self._works, self._thens, self._buffers, self._keep = [], [], [], []
-                self._spans = []
-                self._group._untrack(self)
 
 
 # ----------------------------------------------------------------------------- groups
@@ -852,201 +738,8 @@ def _nccl_usable() -> bool:
             and torch.cuda.device_count() > 0)
 
 
-# ---------------------------------------------------------------------------- helpers
-#: The store of each meeting point this process uses (shared by the groups on it), and
-#: how many worlds this process opened there (the next world's key prefix; kept when the
-#: store is released, so that a later world there never meets stale keys).
-_STORES: dict[tuple, "_Meeting"] = {}
-_WORLD_COUNTS: dict[tuple, int] = {}
-_STORES_LOCK = threading.RLock()
-
-#: Keys of the open/close handshake of rank 0's server (see `_Meeting`), per world index.
-_OPEN_KEY = "collectives/meeting/open/"
-_CLOSED_KEY = "collectives/meeting/closed/"
-#: How long rank 0, at its last close, waits for the other ranks' reports that they
-#: closed theirs, before it stops its server anyway (a late rank's report is lost: it
-#: no longer needs the store, which only set up the groups).
-_CLOSE_WAIT_S = 5.0
-
-
-class _Meeting:
-    """One c10d store of a meeting point, counted: every group on it (a world and its
-    sub-groups) holds one reference, and the store is released when the last one closes,
-    so a process that meets at many ports keeps no socket or thread for the closed ones.
-
-    Where rank 0 serves the store (not under torchrun, whose agent serves it for the
-    whole job), two rules keep its server from going away under a rank that needs it:
-
-    - at its last close every other rank reports on the store that it closed its groups
-      of world k (``closed/k``) and disconnects at once; rank 0 waits (up to
-      ``_CLOSE_WAIT_S``) for every report, then lets the server go. No request of a
-      client is pending when the server goes, so torch prints nothing (a client blocked
-      in a wait that the server's stop broke made torch print a warning with a 24-frame
-      C++ stack, in runs that went well). A close is thus collective, as a group's close
-      is anyway;
-    - a rank that connects for world k first asks the server it reached for
-      ``closed/k-1``: there, it is the last world's server, still waiting for the other
-      ranks' reports, and the rank comes back 50 ms later instead of waiting on it. On
-      the right server it waits until rank 0 wrote ``open/k``, which rank 0 writes only
-      on the server it opened world k with, so no rank settles on a dying server.
-
-    Each world's keys live under a prefix of their own, so a server that outlived a close
-    (torch's multi-tenant sharing, or a broken world kept alive) is reused safely.
-    """
-
-    def __init__(self, key: tuple, store: Any, *, serving: bool, handshake: bool) -> None:
-        self.key, self.store = key, store
-        self.serving = serving      # rank 0 serves it
-        self.handshake = handshake  # rank 0's server: the open/close reports apply
-        self.users = 0              # groups of this process using it
-        self.world = -1             # index of the last world opened on it
-        self.world_size = 1
-
-    def acquire(self) -> None:
-        with _STORES_LOCK:
-            self.users += 1
-
-    def release(self, *, broken: bool = False) -> None:
-        """One group on the store is gone; at the last one, release the store: a client
-        of rank 0's server reports its close, rank 0 waits for those reports (not when
-        ``broken``: a member died, and dead ranks report nothing)."""
-        with _STORES_LOCK:
-            self.users -= 1
-            if self.users > 0:
-                return
-            store, closed = self.store, f"{_CLOSED_KEY}{self.world}"
-            self._forget()
-        if not self.handshake or broken or store is None:
-            return
-        try:
-            if not self.serving:
-                # Report and disconnect: nothing of ours is pending on the server when it
-                # goes, so torch has nothing to warn about. A rank that comes back for its
-                # next world at once may reach this server still; it sees this report
-                # there and waits for the next server (see `_open_store`).
-                store.add(closed, 1)
-                return
-            deadline = time.monotonic() + _CLOSE_WAIT_S
-            while store.add(closed, 0) < self.world_size - 1 and time.monotonic() < deadline:
-                time.sleep(0.002)
-        except RuntimeError:  # the server is gone already, or a report could not land
-            pass
-
-    def _forget(self) -> None:
-        if _STORES.get(self.key) is self:
-            del _STORES[self.key]
-        self.store = None  # the server (or client) goes with the last reference
-
-
-def _world_store(rendezvous: Rendezvous, timeout: float) -> tuple[_Meeting, str]:
-    """The store of ``rendezvous``'s meeting point (one reference taken for the caller's
-    world) and the key prefix of that world."""
-    rank, size = rendezvous.rank, rendezvous.world_size
-    if rendezvous.master_port is None:
-        if size != 1:
-            raise ValueError(f"{_where(rank, size, 'init_process_group')}: the torch backends "
-                             f"need MASTER_ADDR and MASTER_PORT (collectives.spawn and torchrun "
-                             f"set them)")
-        key: tuple = ("hash", os.getpid())
-    else:
-        key = (rendezvous.master_addr or "127.0.0.1", rendezvous.master_port)
-    with _STORES_LOCK:
-        count = _WORLD_COUNTS.get(key, 0)
-        meeting = _STORES.get(key)
-        if meeting is None:
-            meeting = _STORES[key] = _open_store(key, rendezvous, timeout, count)
-        elif meeting.serving and meeting.handshake:
-            _construct(lambda: meeting.store.set(f"{_OPEN_KEY}{count}", "1"),
-                       _where(rank, size, "init_process_group"), timeout)
-        meeting.acquire()
-        meeting.world, meeting.world_size = count, size
-        _WORLD_COUNTS[key] = count + 1
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return meeting, f"collectives/{restart}/world{count}/"
-
-
-def _open_store(key: tuple, rendezvous: Rendezvous, timeout: float, world: int) -> _Meeting:
-    """Connect to (or serve) the store of meeting point ``key`` for world number
-    ``world`` there (see `_Meeting` for the open/close handshake)."""
-    if key[0] == "hash":
-        return _Meeting(key, dist.HashStore(), serving=False, handshake=False)
-    addr, port = key
-    # Under torchrun the agent serves MASTER_PORT already: everyone is a client then
-    # (collectives.spawn run inside a torchrun worker picks a port of its own).
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" \
-        and rendezvous.launcher != "spawn"
-    serve = rendezvous.rank == 0 and not agent
-    where = _where(rendezvous.rank, rendezvous.world_size, "init_process_group")
-    # multi_tenant: torch.distributed.init_process_group("gloo") in this process, on the
-    # same port, shares the server instead of failing to bind it (as torch's own does).
-    what = f"{where}: store at {addr}:{port} ({'serving' if serve else 'client'})"
-
-    def connect(seconds: float) -> Any:
-        return _construct(lambda: dist.TCPStore(
-            addr, port, rendezvous.world_size, is_master=serve,
-            timeout=datetime.timedelta(seconds=seconds), wait_for_workers=False,
-            multi_tenant=serve), what, seconds)
-
-    if agent:  # the agent's server lives as long as the job: no handshake
-        return _Meeting(key, connect(timeout), serving=False, handshake=False)
-    if serve:
-        store = connect(timeout)
-        _construct(lambda: store.set(f"{_OPEN_KEY}{world}", "1"), what, timeout)
-        return _Meeting(key, store, serving=True, handshake=True)
-    deadline = time.monotonic() + timeout
-    while True:
-        remaining = max(0.001, deadline - time.monotonic())
-        store = connect(remaining)
-        try:
-            # Polled, never a blocking wait: a wait that the stop of the last world's
-            # server breaks makes torch print a warning with a C++ stack.
-            opened = f"{_OPEN_KEY}{world}"
-            while not store.check([opened]):
-                if world > 0 and store.check([f"{_CLOSED_KEY}{world - 1}"]):
-                    # The server of the last world, which rank 0 lets go once every
-                    # rank reported: come back for the next one.
-                    raise _OldServer(f"rank 0 still serves world {world - 1} at this port")
-                if time.monotonic() >= deadline:
-                    raise RuntimeError(f"no {opened} on the server")
-                time.sleep(0.002)
-            store.set_timeout(datetime.timedelta(seconds=timeout))
-            return _Meeting(key, store, serving=False, handshake=True)
-        except RuntimeError as exc:
-            del store  # rank 0's server of the previous world stopped under us
-            if time.monotonic() >= deadline:
-                raise CollectiveTimeout(f"{what}: rank 0 did not open world {world} at this "
-                                        f"port within {timeout:g} s ({_first_line(exc)})",
-                                        op="init", missing=[0]) from exc
-            # A server on its way out takes some milliseconds to go: each request that
-            # reaches it meanwhile makes torch print a warning, so do not hammer it.
-            time.sleep(0.05 if isinstance(exc, _OldServer) else 0.005)
-
-
-class _OldServer(RuntimeError):
-    """The store a joining rank reached is the last world's, which is going away."""
-
-
-def _construct(make: Callable[[], Any], where: str, timeout: float) -> Any:
-    """Build a c10d object, turning connection failures into this library's errors."""
-    try:
-        return make()
-    except RuntimeError as exc:
-        detail = _first_line(exc)
-        if "timed out" in detail.lower() or "timeout" in detail.lower():
-            raise CollectiveTimeout(f"{where}: not every rank arrived within {timeout:g} s "
-                                    f"({detail})", op="init") from exc
-        raise PeerError(f"{where}: could not connect: {detail}") from exc
-
-
 _PEER_GONE = ("closed by peer", "connection reset", "broken pipe", "connection refused",
               "connection closed", "end of file", "socket closed")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    line = text.splitlines()[0] if text else type(exc).__name__
-    # gloo prefixes its messages with the C++ source location.
-    return re.sub(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", line)
 
 
 def _keep_forever(obj: Any) -> None:
@@ -1069,12 +762,3 @@ def _shutdown(pg: Any) -> None:
         except Exception:  # noqa: BLE001 - best effort; the destructor still runs
             pass
 
-
-@atexit.register
-def _release_stores_at_exit() -> None:
-    # (the groups themselves are closed by collectives.lifetime's exit hook, registered
-    # earlier, so run later: atexit hooks run last in, first out)
-    with _STORES_LOCK:
-        for meeting in list(_STORES.values()):
-            meeting.store = None
-        _STORES.clear()
