@@ -18,7 +18,8 @@ from collectives.work import Work
 
 from . import auth, native, wire
 from .connect import ZERO_COPY_MIN
-from .engine import Call, Engine
+from .calls import Call
+from .engine import Engine
 
 
 def _gid(parent: int, members: tuple, instance: int) -> int:
