@@ -17,7 +17,8 @@ stages non-contiguous and CUDA tensors). Collectives are the non-blocking ones:
 ``Ibarrier``; point to point is ``Isend``/``Irecv``. Data-moving collectives and point to
 point carry every dtype as raw bytes (``MPI.BYTE``).
 
-Reductions (one table, :data:`_MPI_OPS`, maps each :class:`ReduceOp` to MPI's):
+Reductions (one table, ``_MPI_OPS`` in :mod:`backends.mpi_library`, maps each
+:class:`ReduceOp` to MPI's):
 
 - ``AVG`` is MPI's ``SUM``, then a division by the group size with
   :func:`collectives.reduce_op.finish` (on every rank of all_reduce and reduce_scatter,
@@ -122,7 +123,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import sys
 import threading
 import time
 import zlib
@@ -137,8 +137,11 @@ from collectives.algorithms.links import fold_tag
 from collectives.group import MAX_USER_TAG, ProcessGroup
 from collectives.lifetime import close_at_exit, forget_at_exit, open_groups
 from collectives.launch import Rendezvous
-from collectives.reduce_op import ReduceOp, combine_into, finish
+from collectives.reduce_op import ReduceOp, finish
 from collectives.work import Work
+
+from .mpi_library import _bytes, _reduction, yield_every
+from .mpi_library import load_mpi as _load_library
 
 __all__ = ["MpiGroup", "MpiWork", "create", "fold_tag", "load_mpi"]
 
@@ -148,8 +151,8 @@ MPI: Any = None
 #: Seconds of polling (``Test()``, with a ``sched_yield`` every ``_YIELD_EVERY`` polls)
 #: before a wait starts sleeping.
 _SPIN_S = float(os.environ.get("COLLECTIVES_MPI_SPIN_US", "1000")) * 1e-6
-#: Polls between two ``sched_yield`` calls while spinning: every poll when this host's
-#: ranks outnumber its cores (set by :func:`load_mpi`), else like MPICH's own loops.
+#: Polls between two ``sched_yield`` calls while spinning (set by :func:`load_mpi`, see
+#: :func:`backends.mpi_library.yield_every`).
 _YIELD_EVERY = 64
 _SLEEP_MIN = 20e-6
 _SLEEP_MAX = 1e-3
@@ -164,119 +167,14 @@ _TRACK_LIMIT = 64
 
 
 # ---------------------------------------------------------------------- initialisation
-def _oversubscribed(env: Any) -> bool:
-    local = None
-    for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "PMIX_LOCAL_SIZE",
-                 "LOCAL_WORLD_SIZE"):
-        value = env.get(name)
-        if value and value.isdigit():
-            local = int(value)
-            break
-    if local is None:
-        return False
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return local > cores
-
-
-def _tune_mpich(env: Any) -> None:
-    """Make MPICH's own busy-wait loops yield when the ranks outnumber the cores."""
-    if env.get("COLLECTIVES_MPI_TUNE", "1") == "0" or not _oversubscribed(env):
-        return
-    env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1")
-    env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
-
-
 def load_mpi() -> Any:
-    """``mpi4py.MPI``, initialising MPI (``MPI_THREAD_MULTIPLE``) on first use."""
+    """``mpi4py.MPI``, initialising MPI on first use (:mod:`backends.mpi_library`), and
+    this module's wait tuned to the host."""
     global MPI, _YIELD_EVERY
     if MPI is None:
-        every = os.environ.get("COLLECTIVES_MPI_YIELD_EVERY")
-        _YIELD_EVERY = int(every) if every else 1 if _oversubscribed(os.environ) else 64
-        if "mpi4py.MPI" not in sys.modules:
-            import mpi4py
-            # mpi4py's defaults, stated; a user's MPI4PY_RC_* variables still win.
-            for name, value in (("initialize", True), ("finalize", True), ("threads", True),
-                                ("thread_level", "multiple")):
-                if f"MPI4PY_RC_{name.upper()}" not in os.environ:
-                    setattr(mpi4py.rc, name, value)
-            _tune_mpich(os.environ)
-        from mpi4py import MPI as _mpi
-        if not _mpi.Is_initialized():
-            _mpi.Init_thread(_mpi.THREAD_MULTIPLE)
-        _init_tables(_mpi)
-        MPI = _mpi
+        _YIELD_EVERY = yield_every(os.environ)
+        MPI = _load_library()
     return MPI
-
-
-#: ReduceOp -> MPI's operator (AVG is a SUM followed by ``finish``).
-_MPI_OPS: dict = {}
-#: numpy dtype -> MPI datatype for reductions MPI does itself.
-_REDUCE_TYPES: dict = {}
-#: float16 and bfloat16: reduced by user-defined operators over 16-bit words.
-_USER_OP_DTYPES: tuple = ()
-_USER_OPS: dict = {}
-_USER_OPS_LOCK = threading.Lock()
-
-
-def _init_tables(mpi: Any) -> None:
-    import ml_dtypes
-
-    global _USER_OP_DTYPES
-    _MPI_OPS.update({ReduceOp.SUM: mpi.SUM, ReduceOp.AVG: mpi.SUM, ReduceOp.PRODUCT: mpi.PROD,
-                     ReduceOp.MIN: mpi.MIN, ReduceOp.MAX: mpi.MAX})
-    _REDUCE_TYPES.update({
-        np.dtype(np.float32): mpi.FLOAT, np.dtype(np.float64): mpi.DOUBLE,
-        np.dtype(np.int8): mpi.INT8_T, np.dtype(np.uint8): mpi.UINT8_T,
-        np.dtype(np.int16): mpi.INT16_T, np.dtype(np.int32): mpi.INT32_T,
-        np.dtype(np.int64): mpi.INT64_T})
-    _USER_OP_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
-
-
-def _user_op(op: ReduceOp, dtype: np.dtype) -> Any:
-    """The commutative MPI operator that reduces 16-bit words as ``dtype`` with ``op``."""
-    key = (ReduceOp.SUM if op is ReduceOp.AVG else op, dtype)
-    mop = _USER_OPS.get(key)
-    if mop is None:
-        with _USER_OPS_LOCK:
-            mop = _USER_OPS.get(key)
-            if mop is None:
-                kind = key[0]
-
-                def reduce16(inbuf: Any, inoutbuf: Any, datatype: Any,
-                             kind: ReduceOp = kind, dtype: np.dtype = dtype) -> None:
-                    acc = np.frombuffer(inoutbuf, dtype)
-                    combine_into(kind, acc, np.frombuffer(inbuf, dtype))
-
-                mop = _USER_OPS[key] = MPI.Op.Create(reduce16, commute=True)
-    return mop
-
-
-#: (dtype, ReduceOp value) -> (MPI datatype, MPI operator), filled on first use.
-_REDUCTIONS: dict = {}
-
-
-def _reduction(a: np.ndarray, op: ReduceOp) -> tuple[list, Any]:
-    """(MPI buffer spec of the C-contiguous array ``a``, MPI operator) to reduce ``a``."""
-    found = _REDUCTIONS.get((a.dtype, op._value_))  # (an enum's own hash is slow)
-    if found is None:
-        dtype = a.dtype
-        if dtype in _REDUCE_TYPES:
-            found = (_REDUCE_TYPES[dtype], _MPI_OPS[op])
-        elif dtype in _USER_OP_DTYPES:
-            found = (MPI.UINT16_T, _user_op(op, dtype))
-        else:
-            raise TypeError(f"the mpi backend cannot reduce dtype {dtype}")
-        _REDUCTIONS[(dtype, op._value_)] = found
-    return [a, found[0]], found[1]
-
-
-def _bytes(a: np.ndarray) -> list:
-    """An MPI buffer spec of the C-contiguous ``a``'s bytes (every dtype, incl. bfloat16
-    and bool; mpi4py counts the bytes)."""
-    return [a, MPI.BYTE]
 
 
 # ------------------------------------------------------------------------------ polling
