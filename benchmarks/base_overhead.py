@@ -6,13 +6,14 @@ flight record, with a transport that does nothing.
 
 A world of one rank whose collective hooks return at once (``NoOpGroup`` below), so the
 time per call is the base class's and nothing else's. Each row times N calls in a tight
-loop (the least of many repeats, the rows taking turns loop by loop) for a contiguous CPU float32 torch tensor and numpy
-array, once through the fast path (``collectives.fast_path``) and once through the
-general path (the fast path switched off on the group), side by side in one run, and
-through a persistent request (``all_reduce_init``: ``start(); wait()``) beside the
-``async_op=True`` call it replaces in DDP's buckets: both hand the round to the group's
-thread (a wait that finds a persistent round still queued runs it itself). The last column
-subtracts the cost of calling an empty Python method (the floor any Python API pays).
+loop (the least of many repeats, the rows taking turns loop by loop) for a contiguous CPU
+float32 torch tensor and numpy array, once through the fast path
+(``collectives.fast_path``) and once through the general path (the fast path switched off
+on the group), side by side in one run, and through a persistent request
+(``all_reduce_init``: ``start(); wait()``) beside the ``async_op=True`` call it replaces in
+DDP's buckets: both hand the round to the group's thread (a wait that finds a persistent
+round still queued runs it itself). The last column subtracts the cost of calling an
+empty Python method (the floor any Python API pays).
 """
 
 from __future__ import annotations

@@ -63,30 +63,54 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
+def _port_is_free(family: int, address: str, port: int) -> bool:
+    """Whether a listening socket could bind ``address:port`` now (no ``SO_REUSEADDR``, so
+    a port with a connection still in TIME_WAIT counts as taken)."""
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            s.bind((address, port))
+    except OSError:
+        return False
+    return True
+
+
+def _ipv6_works() -> bool:
+    try:
+        socket.socket(socket.AF_INET6, socket.SOCK_STREAM).close()
+    except OSError:
+        return False
+    return socket.has_ipv6
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host``, drawn from below the kernel's
-    ephemeral range.
+    """A TCP port that was free a moment ago on every address of this machine (checked on
+    ``host`` and on the IPv4 and IPv6 wildcards, where a store or rank 0 may listen),
+    drawn from outside the kernel's ephemeral range.
 
     Why not ``bind(port 0)``: that port comes from the ephemeral range, and the moment it
     is released the kernel may hand it to any process's next ``bind(port 0)`` or outgoing
     connection (the ranks of the very job about to listen there bind their own data
     sockets that way), so rank 0's listen could fail with "Address already in use". A
-    port below the range is taken only by an explicit bind. Falls back to ``port 0``
-    where the range leaves no room below it.
+    port outside the range is taken only by an explicit bind. Falls back to ``port 0``
+    where the range leaves no room (fewer than 1000 ports below and above it).
     """
-    low, _ = _ephemeral_range()
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0]
+    address = sockaddr[0]
+    checks = [(family, address), (socket.AF_INET, "0.0.0.0")]
+    if _ipv6_works():
+        checks.append((socket.AF_INET6, "::"))
+    low, high = _ephemeral_range()
+    spans = [(a, b) for a, b in ((_LOWEST_DRAWN_PORT, low), (high + 1, 65536)) if b - a >= 1000]
     rng = secrets.SystemRandom()
-    for _ in range(64 if low > _LOWEST_DRAWN_PORT + 1000 else 0):
-        port = rng.randrange(_LOWEST_DRAWN_PORT, low)
-        # no SO_REUSEADDR: a port with a connection still in TIME_WAIT counts as taken
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
+    for _ in range(64 if spans else 0):
+        a, b = rng.choices(spans, weights=[b - a for a, b in spans])[0]
+        port = rng.randrange(a, b)
+        if all(_port_is_free(f, addr, port) for f, addr in checks):
             return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((address, 0))
         return s.getsockname()[1]
 
 

@@ -152,20 +152,44 @@ def test_spawn_reports_a_rank_that_dies():
     assert info.value.exitcode == 7
 
 
-def test_free_port_is_drawn_outside_the_kernels_ephemeral_range():
+def test_free_port_is_drawn_outside_the_kernels_ephemeral_range(monkeypatch):
     """A meeting port handed out by ``bind(port 0)`` can be taken by the next outgoing
     connection or ephemeral bind of any process (a CI failure: "rank 0 cannot listen ...
-    Address already in use"); free_port draws below that range, and the port binds."""
+    Address already in use"); free_port draws outside that range, and the port binds on
+    the loopback and on the wildcard."""
     import socket
     from collectives.spawn import _LOWEST_DRAWN_PORT, _ephemeral_range, free_port
-    low, _ = _ephemeral_range()
-    if low <= _LOWEST_DRAWN_PORT + 1000:
-        pytest.skip(f"the ephemeral range starts at {low}: no room below it")
+    low, high = _ephemeral_range()
+    if low - _LOWEST_DRAWN_PORT < 1000 and 65535 - high < 1000:
+        pytest.skip(f"the ephemeral range {low}-{high} leaves no room outside it")
     ports = {free_port() for _ in range(20)}
-    assert all(10000 <= p < low for p in ports), (ports, low)
+    assert all(_LOWEST_DRAWN_PORT <= p < low or high < p <= 65535 for p in ports), \
+        (ports, low, high)
     assert len(ports) > 1  # drawn, not one fixed port
+    port = ports.pop()
+    for address in ("127.0.0.1", "0.0.0.0"):
+        with socket.socket() as s:
+            s.bind((address, port))
+
+    # a port held by a listener on another address (here the IPv4 wildcard) is skipped
+    import importlib
+    spawn = importlib.import_module("collectives.spawn")  # (the package exports a function)
+    taken, spare = free_port(), free_port()
+    drawn = iter([taken, spare])
+
+    class Draws:
+        def choices(self, spans, weights):
+            return [spans[0]]
+
+        def randrange(self, a, b):
+            return next(drawn)
+
     with socket.socket() as s:
-        s.bind(("127.0.0.1", ports.pop()))
+        s.bind(("0.0.0.0", taken))
+        s.listen()
+        assert not spawn._port_is_free(socket.AF_INET, "127.0.0.1", taken)
+        monkeypatch.setattr(spawn.secrets, "SystemRandom", Draws)
+        assert free_port() == spare
 
 
 def test_spawn_rejects_bad_nproc():

@@ -435,6 +435,31 @@ def test_fast_path_records_and_keeps_the_argument_errors(tmp_path, monkeypatch):
     bad.close()
 
 
+def test_fast_path_hands_hooks_plain_arrays_only():
+    """An object that only claims to be an ndarray (``weakref.proxy`` forwards
+    ``__class__``) takes the general path, which hands the hook a real array."""
+    import weakref
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from base_overhead import NoOpGroup
+
+    seen = []
+
+    class Checking(NoOpGroup):
+        def _all_reduce(self, a, op, seq):
+            seen.append(type(a))
+
+        def _broadcast(self, a, src, seq):
+            seen.append(type(a))
+
+    pg = Checking()
+    a = np.ones(3, np.float32)
+    pg.all_reduce(weakref.proxy(a))
+    pg.broadcast(weakref.proxy(a), 0)
+    pg.all_reduce(a)
+    assert seen == [np.ndarray] * 3
+    pg.close()
+
+
 def test_base_overhead_benchmark_runs_and_the_fast_path_is_faster():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "base_overhead.py"),
                            "--iters", "500", "--repeats", "5"], cwd=ROOT, capture_output=True,
