@@ -64,22 +64,23 @@ def _loop_mean(fn, iters: int) -> float:
     return (time.perf_counter() - t0) / iters
 
 
-def _least_per_call(cases: list, iters: int, repeats: int) -> list[float]:
-    """For each ``(fn, setup)`` of ``cases``, the least over ``repeats`` loops of
-    ``iters`` calls of the mean microseconds of one ``fn()`` (``setup()`` runs before
-    each of its loops). The cases take turns loop by loop: on a shared machine the slow
-    spells (other processes, a throttled core) last seconds, and taking turns spreads
-    them over every case instead of charging whichever ran then; the least, as ``timeit``
-    advises, is the loop that other processes slowed least."""
-    for fn, setup in cases:
-        setup()
+def _least_per_call(pg: ProcessGroup, cases: list, iters: int, repeats: int) -> list[float]:
+    """For each ``(fn, fast)`` of ``cases``, the least over ``repeats`` loops of ``iters``
+    calls of the mean microseconds of one ``fn()``, with ``pg``'s fast path on or off as
+    ``fast`` says. The cases take turns loop by loop: on a shared machine the slow spells
+    (other processes, a throttled core) last seconds, and taking turns spreads them over
+    every case instead of charging whichever ran then; the least, as ``timeit`` advises,
+    is the loop that other processes slowed least."""
+    for fn, fast in cases:
+        pg._fast = fast
         for _ in range(min(iters, 1000)):
             fn()
     best = [float("inf")] * len(cases)
     for _ in range(repeats):
-        for i, (fn, setup) in enumerate(cases):
-            setup()
+        for i, (fn, fast) in enumerate(cases):
+            pg._fast = fast
             best[i] = min(best[i], _loop_mean(fn, iters))
+    pg._fast = True
     return [b * 1e6 for b in best]
 
 
@@ -94,13 +95,7 @@ def run(iters: int, repeats: int) -> list[dict]:
 
     empty = Empty()
     rows: list[dict] = []
-    cases: list = []
-
-    def fast_path(on: bool):
-        def setup() -> None:
-            pg._fast = on
-        return setup
-
+    cases: list = []   # (fn, fast path on)
     for kind, t in (("torch", torch.ones(1)), ("numpy", np.ones(1, np.float32))):
         calls = {
             "all_reduce": lambda t=t: pg.all_reduce(t),
@@ -109,19 +104,19 @@ def run(iters: int, repeats: int) -> list[dict]:
         for name, fn in calls.items():
             for path, on in (("fast", True), ("general", False)):
                 rows.append({"op": name, "tensor": kind, "path": path})
-                cases.append((fn, fast_path(on)))
+                cases.append((fn, on))
         rows.append({"op": "all_reduce async+wait", "tensor": kind, "path": "async"})
-        cases.append((lambda t=t: pg.all_reduce(t, async_op=True).wait(), fast_path(True)))
+        cases.append((lambda t=t: pg.all_reduce(t, async_op=True).wait(), True))
         req = pg.all_reduce_init(t)
 
         def persistent(req=req):
             req.start()
             req.wait()
         rows.append({"op": "all_reduce_init start+wait", "tensor": kind, "path": "persistent"})
-        cases.append((persistent, fast_path(True)))
+        cases.append((persistent, True))
     rows.append({"op": "empty method call", "tensor": "-", "path": "-"})
-    cases.append((lambda: empty.call(None), fast_path(True)))
-    times = _least_per_call(cases, iters, repeats)
+    cases.append((lambda: empty.call(None), True))
+    times = _least_per_call(pg, cases, iters, repeats)
     pg.close()
     floor = times[-1]
     for row, us in zip(rows, times):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -76,6 +77,7 @@ def _port_is_free(family: int, address: str, port: int) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
 def _ipv6_works() -> bool:
     try:
         socket.socket(socket.AF_INET6, socket.SOCK_STREAM).close()
