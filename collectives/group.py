@@ -16,6 +16,7 @@ The class is put together from one module per concern:
   :mod:`collectives.objects`: the public calls;
 - :mod:`collectives.fast_path`: blocking calls on contiguous CPU memory in ~1 us;
 - :mod:`collectives.persistent`: ``all_reduce_init`` and the other persistent requests;
+- :mod:`collectives.symmetric`: ``alloc_symmetric``, buffers the peers may read;
 - this module: state, the hooks with their defaults, sub-groups and lifetime.
 """
 
@@ -38,6 +39,7 @@ from .persistent import PersistentCalls
 from .point_to_point import PointToPointCalls
 from .reduce_op import ReduceOp
 from .running import CallRunner, _CommitOnWait, _RecordedWork  # noqa: F401 - re-exported
+from .symmetric import SymmetricCalls
 from .thresholds import SizeThreshold
 from .validation import MAX_USER_TAG, ArgumentChecks
 from .work import Work
@@ -70,8 +72,8 @@ def timeout_seconds(timeout: "float | datetime.timedelta | None", default: float
     return float(timeout)
 
 
-class ProcessGroup(PointToPointCalls, CollectiveCalls, PersistentCalls, ObjectCalls, CallRunner,
-                   FastPath, ArgumentChecks, abc.ABC):
+class ProcessGroup(PointToPointCalls, CollectiveCalls, PersistentCalls, SymmetricCalls,
+                   ObjectCalls, CallRunner, FastPath, ArgumentChecks, abc.ABC):
     """A set of ranks that communicate. Ranks are local to the group: ``0 .. size-1``.
 
     Two ranks, each running::

@@ -40,6 +40,7 @@ from .futex import Doorbells, wait_mode
 from .native_ops import NativePaths
 from .ops import _DTYPE_CODE, CollectiveOps, dtype_code, dtype_name
 from .reduce import ReduceOps
+from .symmetric import SymmetricHeap
 
 #: Bytes per data slot (the staging chunk); a message larger than this is chunked.
 CHUNK_ENV = "COLLECTIVES_SHM_CHUNK_BYTES"
@@ -93,7 +94,8 @@ class _P2PWork(Work):
         return op.done
 
 
-class ShmGroup(NativePaths, CmaReduce, ReduceOps, CollectiveOps, ProcessGroup):
+class ShmGroup(NativePaths, SymmetricHeap, CmaReduce, ReduceOps, CollectiveOps,
+               ProcessGroup):
     """Ranks of one host communicating through one POSIX shared-memory segment."""
 
     backend = "shm"
@@ -420,6 +422,7 @@ class ShmGroup(NativePaths, CmaReduce, ReduceOps, CollectiveOps, ProcessGroup):
                 self.__dict__.pop(name, None)   # the bound fast paths (and their cycles)
             self._typed.clear()
             self._small_cache.clear()
+            self._release_symmetric()
             self._slots = []
             self._u64 = None
             seg.close()

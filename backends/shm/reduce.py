@@ -77,9 +77,13 @@ class ReduceOps:
 
     def _large_reduce(self, a: np.ndarray, op: ReduceOp, seq: int, dst: int,
                       opcode: int) -> None:
-        """A message past the one-phase path: an all_reduce from ``cma_min_bytes(n)``
-        reads the peers' memory directly where the group can (``cma.py``), everything
-        else is pipelined through the segment."""
+        """A message past the one-phase path: an all_reduce of an array in symmetric
+        memory reads the peers' buffers in place (``symmetric.py``; in a group that has
+        such buffers, any other large all_reduce pays one phase to find that out), one
+        from ``cma_min_bytes(n)`` reads the peers' memory directly where the group can
+        (``cma.py``), everything else is pipelined through the segment."""
+        if dst < 0 and self._symmetric and self._symmetric_all_reduce(a, op, seq):
+            return  # read in place from every rank's symmetric buffer (symmetric.py)
         if dst < 0 and a.nbytes >= self._cma_bytes and self._cma is not False \
                 and self._cma_all_reduce(a, op, seq):
             return

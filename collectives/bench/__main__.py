@@ -97,6 +97,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="time our backend's all_reduce, all_gather and reduce_scatter as "
                         "persistent requests (pg.all_reduce_init ...: start + wait per "
                         "iteration); peers and memcpy unchanged")
+    p.add_argument("--symmetric", action="store_true",
+                   help="our backend's all_reduce on buffers from pg.alloc_symmetric "
+                        "(shm reads the peers' buffers in place); other ops skipped")
     p.add_argument("--json", metavar="FILE", help="write the rows to FILE")
     p.add_argument("--plot", metavar="FILE", help="draw busbw against size (matplotlib)")
     p.add_argument("--timeout", type=float, default=120.0,
@@ -165,7 +168,8 @@ def _run(args: argparse.Namespace, peers: list[str]) -> tuple[list[dict], list[s
 
     spec = JobSpec(impls=[], ops=args.ops, sizes=args.sizes, dtype=args.dtype,
                    iters=args.iters, warmup=args.warmup, byte_budget=args.byte_budget,
-                   timeout=args.timeout, persistent=args.persistent)
+                   timeout=args.timeout, persistent=args.persistent,
+                   symmetric=args.symmetric)
     impls = [args.backend] + peers
     by_mpiexec = [i for i in impls if i in MPIEXEC_IMPLS]
     by_spawn = [i for i in impls if i not in MPIEXEC_IMPLS]
@@ -180,7 +184,8 @@ def _run(args: argparse.Namespace, peers: list[str]) -> tuple[list[dict], list[s
         # The copy is timed in our backend's job, in turn with ours (and the peers there).
         job_rows, skipped = launch(
             dataclasses.replace(spec, impls=job, memcpy=args.memcpy and args.backend in job,
-                                persistent=args.persistent and args.backend in job),
+                                persistent=args.persistent and args.backend in job,
+                                symmetric=args.symmetric and args.backend in job),
             args.nproc, args.job_timeout)
         rows += job_rows
         notes += skipped
@@ -206,7 +211,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"{', peers ' + ', '.join(peers) if peers else ''}; {args.dtype}; up to "
               f"{args.iters} timed iterations after {args.warmup} warm-up (at most "
               f"{args.byte_budget >> 20} MiB per size); {load}"
-              f"{'; ' + args.backend + ' through persistent requests' if args.persistent else ''}",
+              f"{'; ' + args.backend + ' through persistent requests' if args.persistent else ''}"
+              f"{'; all_reduce on symmetric memory' if args.symmetric else ''}",
               flush=True)
         rows, skipped = _run(args, peers)
     except (_Usage, LauncherMissing) as exc:
@@ -220,6 +226,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.persistent:  # which rows timed persistent requests
         for r in rows:
             r["persistent"] = r["impl"] == args.backend
+    if args.symmetric:
+        for r in rows:
+            r["symmetric"] = r["impl"] == args.backend
     rows = report.add_memcpy(rows)
     report.add_ratios(rows, args.backend, peers)
     print(report.table(rows, args.backend, peers, args.nproc))

@@ -66,6 +66,9 @@ class JobSpec:
     #: Time our backend's all_reduce / all_gather / reduce_scatter as persistent
     #: requests (``start(); wait()`` of one ``*_init`` per case), the peers unchanged.
     persistent: bool = False
+    #: Our backend's all_reduce on buffers from ``pg.alloc_symmetric`` (the peers and
+    #: memcpy in the same job use them too; the other ops are skipped).
+    symmetric: bool = False
 
 
 def _open(impl: str, spec: JobSpec, rank: int, size: int) -> Runner:
@@ -77,9 +80,9 @@ def _open(impl: str, spec: JobSpec, rank: int, size: int) -> Runner:
         from .peers import TorchGlooRunner
         return TorchGlooRunner(rank, size, "127.0.0.1", spec.torch_port, spec.timeout)
     from ..launch import init_process_group
-    ours = spec.persistent and impl == spec.impls[0]
+    ours = impl == spec.impls[0]
     return GroupRunner(init_process_group(impl, timeout=spec.timeout), impl,
-                       persistent=ours)
+                       persistent=spec.persistent and ours, symmetric=spec.symmetric and ours)
 
 
 def run_rank(spec: JobSpec) -> tuple[list[dict], list[str]]:

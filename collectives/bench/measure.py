@@ -149,14 +149,17 @@ class GroupRunner:
     PERSISTENT_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
     def __init__(self, pg: ProcessGroup, impl: Optional[str] = None, *,
-                 persistent: bool = False) -> None:
+                 persistent: bool = False, symmetric: bool = False) -> None:
         self.pg = pg
         self.impl = impl or pg.backend
         self.rank, self.size = pg.rank, pg.size
         self.persistent = persistent
+        self.symmetric = symmetric
         self._requests: list = []
 
     def bind(self, case: Case) -> Callable[[], None]:
+        if self.symmetric:
+            self._move_to_symmetric(case)
         pg, send, recv = self.pg, case.send, case.recv
         if self.persistent:
             return self._bind_persistent(case)
@@ -171,6 +174,16 @@ class GroupRunner:
             "all_to_all": lambda: pg.all_to_all(recv, send),
         }
         return calls[case.op]
+
+    def _move_to_symmetric(self, case: Case) -> None:
+        """``--symmetric``: the all_reduce's buffer moves into ``pg.alloc_symmetric``
+        memory (a collective, here where every rank binds alike; the runners after this
+        one in the job then use it too). The other ops have no path that reads it."""
+        if case.op != "all_reduce":
+            raise Unsupported("symmetric memory serves all_reduce only")
+        buf = self.pg.alloc_symmetric(case.recv.nbytes).view(case.recv.dtype)
+        np.copyto(buf, case.recv)
+        case.recv = buf
 
     def _bind_persistent(self, case: Case) -> Callable[[], None]:
         """``start(); wait()`` of a request made once for ``case`` (``--persistent``)."""

@@ -1,0 +1,167 @@
+"""Symmetric memory (collectives/symmetric.py; shm's in backends/shm/symmetric.py).
+
+One spawned shm job per world size checks, on every rank: what ``alloc_symmetric``
+returns (zeros, aligned, writable, nothing left in /dev/shm, still valid after close);
+that an all_reduce of an array in a buffer, at one offset on every rank, takes the
+in-place path and gives bitwise what the other paths give, for several dtypes,
+operators, sizes and offsets, blocking and persistent; that an array at different
+offsets, or outside every buffer, takes the usual paths with the same results; that
+ranks asking for different sizes all get a ValueError and the group goes on; and that
+DDP's buckets live there. World 3 runs the Python path (``COLLECTIVES_SHM_NATIVE=0``).
+The base class's default (plain memory) runs in a thread world.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import collectives
+from collectives import ReduceOp
+from collectives.testing import run_threads
+
+#: (dtype, operator, elements, byte offset in the buffer): past the one-phase size (32
+#: KiB), odd counts (pieces of unequal length), offsets that are not a piece multiple.
+CASES = [
+    ("float32", ReduceOp.SUM, 218_000, 0),
+    ("float32", ReduceOp.AVG, 262_147, 4096),
+    ("float64", ReduceOp.MAX, 9_001, 64),
+    ("float16", ReduceOp.SUM, 100_003, 192),
+    ("bfloat16", ReduceOp.AVG, 70_000, 0),
+    ("int32", ReduceOp.MIN, 300_001, 128),
+    ("int64", ReduceOp.PRODUCT, 5_000, 0),
+]
+BUFFER_BYTES = 3 << 20
+
+
+def _dtype(name: str) -> np.dtype:
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def _values(dt: np.dtype, n: int, rng: np.random.Generator) -> np.ndarray:
+    if dt.kind == "i":
+        return rng.integers(-3, 4, n).astype(dt)  # small: PROD stays in range
+    return rng.standard_normal(n).astype(dt)
+
+
+def _job() -> dict:
+    pg = collectives.init_process_group()
+    cls = type(pg)
+    taken = []
+    real = cls._symmetric_all_reduce
+
+    def spy(self, a, op, seq):
+        went = real(self, a, op, seq)
+        taken.append(went)
+        return went
+
+    cls._symmetric_all_reduce = spy
+    out: dict = {"rank": pg.rank}
+    try:
+        rng = np.random.default_rng(pg.rank)
+        buf = pg.alloc_symmetric(BUFFER_BYTES)
+        out["fresh"] = (buf.dtype == np.uint8 and buf.nbytes == BUFFER_BYTES
+                        and not buf.any() and buf.ctypes.data % 64 == 0
+                        and buf.flags.writeable)
+        pg.barrier()  # every rank unlinked its name once its own alloc returned
+        out["linked"] = [r for r in range(pg.size) if os.path.exists(pg._symmetric_path(0, r))]
+
+        results = []
+        for name, op, count, offset in CASES:
+            dt = _dtype(name)
+            for where in ("same offset", "offset by rank", "outside"):
+                if where == "outside":
+                    a = np.empty(count, dt)
+                else:
+                    at = offset + (pg.rank * 64 if where == "offset by rank" else 0)
+                    a = buf[at:at + count * dt.itemsize].view(dt)
+                a[:] = _values(dt, count, rng)
+                plain = a.copy()
+                taken.clear()
+                pg.all_reduce(a, op)
+                pg.all_reduce(plain, op)
+                every = pg.all_gather_object(a.tobytes())
+                results.append({"case": (name, op.name, count, offset, where),
+                                "in_place": taken[:1] == [True],
+                                "as_plain": a.tobytes() == plain.tobytes(),
+                                "same_everywhere": all(b == every[0] for b in every)})
+        out["results"] = results
+
+        flat = torch.frombuffer(buf, dtype=torch.float32, count=50_000, offset=8192)
+        req = pg.all_reduce_init(flat, ReduceOp.AVG)
+        rounds = []
+        for i in range(3):
+            flat.fill_(pg.rank + i)
+            taken.clear()
+            req.start()
+            req.wait()
+            rounds.append(taken == [True] and bool((flat == i + (pg.size - 1) / 2).all()))
+        flat.fill_(pg.rank)
+        taken.clear()
+        req.run()
+        rounds.append(taken == [True] and bool((flat == (pg.size - 1) / 2).all()))
+        out["persistent"] = rounds
+
+        try:
+            pg.alloc_symmetric(4096 + 64 * pg.rank)
+            out["mismatch"] = "no error"
+        except ValueError as exc:
+            out["mismatch"] = str(exc)
+        out["after_mismatch"] = pg.all_gather_object(pg.rank) == list(range(pg.size))
+
+        from parallel import DDP
+        ddp = DDP(torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 4)), pg)
+        out["ddp_buckets_shared"] = all(
+            pg._symmetric_place(b.flat.numpy())[0] > 0 for b in ddp.buckets)
+        taken.clear()
+        ddp(torch.randn(8, 64)).sum().backward()
+        out["ddp_in_place"] = taken == [True] * len(ddp.buckets)
+
+        pg.barrier()
+    finally:
+        cls._symmetric_all_reduce = real
+        pg.close()
+    buf[:4] = 7  # still this rank's memory after close
+    out["after_close"] = buf[:4].tolist() == [7] * 4
+    return out
+
+
+@pytest.mark.parametrize("nproc, native", [(2, "1"), (3, "0"), (4, "1")])
+def test_all_reduce_in_symmetric_memory(nproc, native):
+    results = collectives.spawn(_job, nproc, backend="shm", timeout=60, join_timeout=240,
+                                env={"COLLECTIVES_SHM_NATIVE": native})
+    for out in results:
+        assert out["fresh"] and out["linked"] == [] and out["after_close"]
+        for res in out["results"]:
+            assert res["as_plain"] and res["same_everywhere"], res
+            assert res["in_place"] == (res["case"][-1] == "same offset"), res
+        assert out["persistent"] == [True] * 4
+        assert "same `nbytes`" in out["mismatch"] and "alloc_symmetric" in out["mismatch"]
+        assert f"rank {out['rank']}/{nproc}" in out["mismatch"] and out["after_mismatch"]
+        assert out["ddp_buckets_shared"] and out["ddp_in_place"]
+
+
+def test_default_is_plain_aligned_memory():
+    def body(pg):
+        buf = pg.alloc_symmetric(100)
+        a = buf[:64].view(np.float32)
+        a[:] = pg.rank + 1
+        pg.all_reduce(a)
+        errors = []
+        for bad in (-1, 1.5, True, "8"):
+            try:
+                pg.alloc_symmetric(bad)
+            except ValueError as exc:
+                errors.append(str(exc))
+        return (buf.nbytes, buf.ctypes.data % 64, float(a[0]), errors,
+                pg.alloc_symmetric(0).nbytes)
+
+    for rank, (nbytes, misalign, value, errors, empty) in enumerate(run_threads(body, 2)):
+        assert (nbytes, misalign, value, empty) == (100, 0, 3.0, 0)
+        assert len(errors) == 4
+        assert all("alloc_symmetric" in e and "`nbytes`" in e and f"rank {rank}/2" in e
+                   for e in errors)
