@@ -9,7 +9,7 @@ Every rank alternates the two forms iteration by iteration on one float32 buffer
 barrier before each timed call, so that both start together), and the slowest rank's
 time of each iteration counts; one row per size: the medians and their ratio. Rows also
 show the async form (``async_op=True`` + ``wait()``), which is what a persistent round
-replaces in DDP's buckets.
+replaces in DDP's buckets, and ``req.run()``, the blocking round (DDP's last bucket).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def _job(sizes: list[int], iters: int) -> list[dict]:
                 "plain": lambda: pg.all_reduce(a),
                 "async": lambda: pg.all_reduce(a, async_op=True).wait(),
                 "persistent": lambda: (req.start(), req.wait()),
+                "run": req.run,
             }
             times = {name: [] for name in forms}
             n = iters if nbytes <= 65536 else max(5, iters // 20)
@@ -61,6 +62,7 @@ def _job(sizes: list[int], iters: int) -> list[dict]:
                          "plain_us": round(slowest["plain"], 2),
                          "async_us": round(slowest["async"], 2),
                          "persistent_us": round(slowest["persistent"], 2),
+                         "run_us": round(slowest["run"], 2),
                          "persistent_vs_plain": round(slowest["persistent"] / slowest["plain"], 3),
                          "persistent_vs_async": round(slowest["persistent"] / slowest["async"], 3),
                          "native": req.native})
@@ -71,10 +73,10 @@ def _job(sizes: list[int], iters: int) -> list[dict]:
 
 def _print(rows: list[dict]) -> None:
     print(f"{'backend':<7} {'n':>2} {'bytes':>9} {'plain us':>9} {'async us':>9} "
-          f"{'persist us':>10} {'vs plain':>8} {'vs async':>8} native")
+          f"{'persist us':>10} {'run() us':>9} {'vs plain':>8} {'vs async':>8} native")
     for r in rows:
         print(f"{r['backend']:<7} {r['world_size']:>2} {r['bytes']:>9} {r['plain_us']:>9.2f} "
-              f"{r['async_us']:>9.2f} {r['persistent_us']:>10.2f} "
+              f"{r['async_us']:>9.2f} {r['persistent_us']:>10.2f} {r['run_us']:>9.2f} "
               f"{r['persistent_vs_plain']:>8.3f} {r['persistent_vs_async']:>8.3f} {r['native']}")
     print(json.dumps({"benchmark": "persistent_vs_plain", "rows": rows}))
 

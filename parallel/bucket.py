@@ -88,7 +88,7 @@ class Bucket:
         mark_ready(slot)     -> True when it was the last one: the bucket is full
         launch()             start the persistent all_reduce(flat, AVG) made at init (an
                              async all_reduce where the group has none): runs while
-                             backward goes on
+                             backward goes on (blocking=True: runs it to the end now)
         fill_missing()       (end of backward, buckets never filled) take what the missing
                              parameters hold, zeros where they have no gradient
         finish()             wait; .grad = view where some rank had a gradient, None elsewhere
@@ -108,7 +108,15 @@ class Bucket:
         self.params = list(params)
         self.group = group
         self.numel = sum(p.numel() for p in self.params)
-        self.flat = torch.zeros(self.numel + len(self.params), dtype=dtype, device=device)
+        count = self.numel + len(self.params)
+        alloc = getattr(group, "alloc_symmetric", None)
+        if alloc is not None and device.type == "cpu":
+            # Memory the peers may read in place (shm: half the all-reduce's memory
+            # traffic); a collective, made where every rank makes its buckets alike.
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            self.flat = torch.frombuffer(alloc(count * itemsize), dtype=dtype)
+        else:
+            self.flat = torch.zeros(count, dtype=dtype, device=device)
         self._flags = self.flat[self.numel:]
         self.views = []
         offset = 0
@@ -118,6 +126,10 @@ class Bucket:
         self._has_grad = [False] * len(self.params)
         self._ready = [False] * len(self.params)
         self._pending = len(self.params)
+        # Whether the flags in `flat` hold 1.0 each already (as every pass where all ranks
+        # had every gradient leaves them: the average of ones): launch() then has nothing
+        # to write, the common case, which saves building a tensor per pass.
+        self._flags_are_ones = False
         self.work: Any = None
         # The average of `flat`, checked once and started every pass (a persistent
         # collective, see collectives.persistent); made here, where every rank makes
@@ -145,6 +157,8 @@ class Bucket:
 
     def _aliases(self, slot: int) -> bool:
         grad, view = self.params[slot].grad, self.views[slot]
+        if grad is view:  # the common case, and the cheap test (torch keeps one object)
+            return True
         return (grad is not None and grad.data_ptr() == view.data_ptr()
                 and grad.shape == view.shape and grad.stride() == view.stride())
 
@@ -184,13 +198,26 @@ class Bucket:
                 self._ready[slot] = True
         self._pending = 0
 
-    def launch(self) -> None:
-        """Start the asynchronous average of ``flat`` over the group."""
+    def launch(self, *, blocking: bool = False) -> None:
+        """Start the asynchronous average of ``flat`` over the group; ``blocking``: run
+        it to the end now, on this thread (for the bucket that is waited for at once:
+        see :meth:`collectives.PersistentRequest.run`)."""
         if self._pending:
             raise RuntimeError(f"DDP: bucket {self.index} launched with {self._pending} "
                                f"gradients missing")
-        self._flags.copy_(self._flags.new_tensor(self._has_grad))
-        if self._request is None:
+        if all(self._has_grad):
+            if not self._flags_are_ones:
+                self._flags.fill_(1)
+                self._flags_are_ones = True
+        else:
+            self._flags.copy_(self._flags.new_tensor(self._has_grad))
+            self._flags_are_ones = False
+        if blocking:
+            if self._request is None:
+                self.group.all_reduce(self.flat, op=ReduceOp.AVG)
+            else:
+                self._request.run()
+        elif self._request is None:
             self.work = self.group.all_reduce(self.flat, op=ReduceOp.AVG, async_op=True)
         else:
             self._request.start()
@@ -202,10 +229,12 @@ class Bucket:
         one process, where the optimizer then skips it): the flags are bitwise identical on
         every rank, so every rank decides the same."""
         work, self.work = self.work, None
+        self._flags_are_ones = False  # until the round's result is read below
         try:
             if work is not None:
                 work.wait()
             flags = self._flags.tolist()
+            self._flags_are_ones = all(f == 1 for f in flags)
             for slot, p in enumerate(self.params):
                 if flags[slot] > 0:
                     if not self._aliases(slot):

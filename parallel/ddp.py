@@ -25,7 +25,10 @@ Accelerating Data Parallel Training", VLDB 2020, arXiv 2006.15704):
 3. A post-accumulate-grad hook on each parameter tells its bucket that the gradient is
    final. When a bucket's last gradient lands it starts its persistent
    ``all_reduce_init(flat, AVG)`` request (made once, with the bucket; see
-   ``collectives.persistent``), while backward goes on with earlier layers.
+   ``collectives.persistent``), while backward goes on with earlier layers. The last
+   bucket is the exception: when it fills, every parameter's gradient has landed and
+   nothing is left to overlap, so the end-of-backward callback runs its round on the
+   spot (``request.run()``), which saves handing it to the group's thread and back.
    Buckets are launched strictly in bucket order: a full bucket waits for the ones before
    it. Every rank therefore issues the same all-reduces in the same order, whatever order
    its gradients arrive in; this is what keeps the ranks' collectives matched.
@@ -220,8 +223,9 @@ class DistributedDataParallel(nn.Module):
         return hook
 
     def _launch_ready(self) -> None:
-        """Launch the full buckets at the head of the line, in bucket order."""
-        while (self._next_launch < len(self._buckets)
+        """Launch the full buckets at the head of the line, in bucket order; not the last
+        bucket, which the end of backward runs and waits for at once."""
+        while (self._next_launch < len(self._buckets) - 1
                and self._buckets[self._next_launch].full):
             self._buckets[self._next_launch].launch()
             self._next_launch += 1
@@ -231,9 +235,10 @@ class DistributedDataParallel(nn.Module):
         if not sync:
             return
         try:
+            last = self._buckets[-1]
             for bucket in self._buckets[self._next_launch:]:
                 bucket.fill_missing()
-                bucket.launch()
+                bucket.launch(blocking=bucket is last)
         finally:
             self._next_launch = 0
             error = None
@@ -281,10 +286,9 @@ class _BackwardEntry(torch.autograd.Function):
         return (None, None, *grads)
 
 
-def _graph_task_id() -> int | None:
-    """An id of the running backward pass (None where this torch cannot tell)."""
-    get = getattr(torch._C, "_current_graph_task_id", None)
-    return get() if get is not None else None
+#: An id of the running backward pass (None where this torch cannot tell); called in every
+#: gradient hook, so looked up once.
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: None)
 
 
 def _collect(obj: Any, out: list) -> None:

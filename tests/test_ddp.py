@@ -180,6 +180,11 @@ class _RecordedRequest:
         self._request.start()
         self._recorder.works.append(self._request)
 
+    def run(self) -> None:  # the last bucket's round, run where it is waited for
+        self._recorder.issued.append(time.perf_counter())
+        self._request.run()
+        self._recorder.works.append(self._request)
+
 
 class _SlowBackward(torch.autograd.Function):
     """Identity; its backward sleeps, then notes which all-reduces had already finished."""
@@ -454,6 +459,11 @@ def test_failed_all_reduce_surfaces_in_backward_and_resets():
 
         def wait(self, timeout=None):
             self._request.wait(timeout)
+            if FailingRounds.failing:
+                Failing().wait()
+
+        def run(self) -> None:  # the last bucket's round
+            self._request.run()
             if FailingRounds.failing:
                 Failing().wait()
 

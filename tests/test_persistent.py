@@ -70,6 +70,15 @@ def _fill(t, array: np.ndarray) -> None:
 
 
 # ------------------------------------------------------------------ checks (per rank)
+def _round(request, q: int) -> None:
+    """One round: ``start(); wait()``, or every other round ``run()`` (the blocking one)."""
+    if q % 2:
+        request.run()
+    else:
+        request.start()
+        request.wait()
+
+
 def check_rounds(pg, counts=COUNTS) -> dict:
     """Each persistent op against its plain call over ROUNDS rounds with new contents:
     the number of rounds that differ (0 expected) and whether rounds ran natively."""
@@ -99,20 +108,17 @@ def check_rounds(pg, counts=COUNTS) -> dict:
             for q in range(ROUNDS):
                 a = make((count,), q)
                 _fill(t, a)
-                requests["all_reduce"].start()
-                requests["all_reduce"].wait()
+                _round(requests["all_reduce"], q)
                 ref = _tensor_like(a, kind)
                 pg.all_reduce(ref, op)
                 b = make((count * n,), q + 100)
                 _fill(inp, b)
-                requests["reduce_scatter"].start()
-                requests["reduce_scatter"].wait()
+                _round(requests["reduce_scatter"], q)
                 ref_out = _tensor_like(np.zeros(count, dt), kind)
                 pg.reduce_scatter(ref_out, _tensor_like(b, kind), op)
                 c = make((count,), q + 200)
                 _fill(ag_in, c)
-                requests["all_gather"].start()
-                requests["all_gather"].wait()
+                _round(requests["all_gather"], q)
                 ref_ag = _tensor_like(np.zeros(count * n, dt), kind)
                 pg.all_gather(ref_ag, _tensor_like(c, kind))
                 for name, got, want in (("all_reduce", t, ref), ("reduce_scatter", out, ref_out),
@@ -253,6 +259,9 @@ def test_errors_are_typed_and_name_the_call():
         with pytest.raises(RuntimeError, match="all_reduce_init: start\\(\\) called on a "
                                                "request that is still active"):
             req.start()
+        with pytest.raises(RuntimeError, match="all_reduce_init: run\\(\\) called on a "
+                                               "request that is still active"):
+            req.run()
         req.wait()
         t.resize_(2, 2)
         with pytest.raises(ValueError, match="argument `tensor` changed from shape"):
@@ -266,11 +275,15 @@ def test_errors_are_typed_and_name_the_call():
         req.free()
         with pytest.raises(RuntimeError, match="freed"):
             req.start()
+        with pytest.raises(RuntimeError, match="run\\(\\) called on a freed request"):
+            req.run()
         req2 = pg.all_reduce_init(torch.zeros(3))
         pg.barrier()
         pg.close()
         with pytest.raises(CollectiveError, match="all_reduce_init: the group is closed"):
             req2.start()
+        with pytest.raises(CollectiveError, match="all_reduce_init: the group is closed"):
+            req2.run()
         with pytest.raises(CollectiveError, match="all_gather_init: the group is closed"):
             pg.all_gather_init(torch.zeros(4), torch.zeros(2))
         return True

@@ -109,17 +109,25 @@ class _CountedRequest:
         self._request, self._owner, self._nbytes = request, owner, nbytes
         self._counted = False
 
-    def start(self) -> None:
+    def _count(self, call: Any) -> None:
+        """``call()`` (a start, or a whole blocking round): one call, its bytes, its time."""
         owner = self._owner
         self._counted = owner.counting and owner._group.size > 1
         if not self._counted:
-            self._request.start()
+            call()
             return
         owner.bytes += self._nbytes
         owner.calls += 1
         start = time.perf_counter()
-        self._request.start()
+        call()
         owner.seconds += time.perf_counter() - start
+
+    def start(self) -> None:
+        self._count(self._request.start)
+
+    def run(self) -> None:
+        """A blocking round (start and wait in one): one call, all of its time."""
+        self._count(self._request.run)
 
     def wait(self, timeout: Optional[float] = None) -> Any:
         if not self._counted:

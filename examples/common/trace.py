@@ -162,6 +162,15 @@ class _TracedRequest:
         self._request.start()
         self._round = _TracedWork(self._request, tracer, self._name, ident)
 
+    def run(self) -> None:
+        """A blocking round: its slice, and the rank waiting in it all along."""
+        tracer, ident = self._tracer, next(self._tracer._ids)
+        tracer._add(name=self._name, cat="comm", ph="b", id=ident, ts=_now_us(),
+                    args=dict(self._info, persistent=True))
+        with tracer.span(f"wait {self._name}"):
+            self._request.run()
+        tracer._add(name=self._name, cat="comm", ph="e", id=ident, ts=_now_us())
+
     def wait(self, timeout: Optional[float] = None) -> None:
         if self._round is None:
             self._request.wait(timeout)
