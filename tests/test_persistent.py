@@ -473,6 +473,24 @@ def test_fast_path_hands_hooks_plain_arrays_only():
     pg.close()
 
 
+def test_fast_path_leaves_unaligned_and_read_only_arrays_to_the_general_path():
+    """The fast path takes what ``flags.carray`` says (C-contiguous, aligned, writeable);
+    an unaligned array still reduces correctly (the general path), a read-only one is
+    still the general path's ValueError."""
+    def body(pg):
+        unaligned = np.zeros(17, np.uint8)[1:].view(np.float32)
+        assert not unaligned.flags.aligned
+        unaligned[:] = pg.rank + 1
+        pg.all_reduce(unaligned)
+        read_only = np.ones(4, np.float32)
+        read_only.flags.writeable = False
+        with pytest.raises(ValueError, match="all_reduce.*read-only"):
+            pg.all_reduce(read_only)
+        return unaligned.tolist()
+
+    assert run_threads(body, 2) == [[3.0] * 4] * 2
+
+
 def test_base_overhead_benchmark_runs_and_the_fast_path_is_faster():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "base_overhead.py"),
                            "--iters", "500", "--repeats", "5"], cwd=ROOT, capture_output=True,
