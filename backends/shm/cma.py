@@ -26,8 +26,8 @@ one PID namespace) the all_reduce of ``a`` reads the peers' arrays where they li
 Each element is reduced once, by its owner, in rank order, by the same kernels as the
 other paths: the ranks get bitwise-identical results, bitwise those of the pipelined
 path. Traffic per rank: the peers' pieces read once, the reduction, the gather read once,
-about 3 times the message. Messages of ``cma_min_bytes(n)`` and more take this path (1 MiB
-at 2 ranks; more with more ranks, whose pieces are smaller and whose reads are more);
+about 3 times the message. Messages of ``cma_min_bytes(n)`` and more take this path (1.5
+MiB at 2 ranks; more with more ranks, whose pieces are smaller and whose reads are more);
 ``reduce`` (one root) and the other collectives keep theirs.
 """
 
@@ -46,9 +46,11 @@ from collectives.reduce_op import ReduceOp
 from .ops import _ALIGN, _DTYPE_CODE, _REDOP_BY_ID, OP_ALL_REDUCE
 
 #: all_reduce messages of at least this many bytes, times ``size // 2``, read the peers'
-#: memory directly (measured: at 2 ranks the two paths cross near 1 MiB, at 4 ranks on
-#: 2 cores near 2 MiB).
-CMA_ALL_REDUCE_BYTES = 1 << 20
+#: memory directly. Measured on 2 cores, the paths timed in turn in one job: at 2 ranks
+#: staging is 13% faster at 1 MiB (twice: 336 vs 384 us, 320 vs 366 us), even at 1.5
+#: MiB, 10-25% slower from 2 MiB; at 4 ranks (oversubscribed) staging is faster up to 4
+#: MiB and even near 6 MiB, so 3 MiB there is on the single-copy side of safe.
+CMA_ALL_REDUCE_BYTES = 3 << 19
 #: ``0`` turns the single-copy path off on this rank (and so for its groups).
 CMA_ENV = "COLLECTIVES_SHM_CMA"
 #: Seconds a rank that found a peer's memory gone waits to see it die before it says so.
@@ -58,7 +60,7 @@ _EXIT_GRACE = 2.0
 def cma_min_bytes(size: int) -> int:
     """The smallest all_reduce a group of ``size`` ranks reads in place.
 
-    >>> cma_min_bytes(2) == cma_min_bytes(3) == CMA_ALL_REDUCE_BYTES
+    >>> cma_min_bytes(2) == cma_min_bytes(3) == CMA_ALL_REDUCE_BYTES == 1536 * 1024
     True
     """
     return CMA_ALL_REDUCE_BYTES * max(1, size // 2)
