@@ -16,8 +16,10 @@ The contract (every backend keeps it):
   like any collective. Every rank starts its rounds in the same order relative to its
   other collectives. Between ``start()`` and ``wait()`` the tensors belong to the
   library: do not read or write them.
-- ``req.run()`` is ``start()`` then ``wait()`` in one call, on the calling thread: for
-  a round that nothing overlaps it saves the hand-over to the group's thread.
+- ``req.run()`` is ``start()`` then ``wait()`` in one call, run like a blocking
+  collective: on the calling thread when no async op is queued (else after them, in
+  issue order); for a round that nothing overlaps it saves the hand-over to the group's
+  thread.
 - ``req.wait(timeout=None)`` blocks until the round finished (results in the output
   tensor) and re-raises its error. ``wait(timeout)`` raises ``CollectiveTimeout`` when
   it is still running after ``timeout`` seconds; the request then stays active and may

@@ -9,7 +9,12 @@ The contract (every backend keeps it):
   tell raises ``ValueError`` on every rank when they differ). It returns a writable,
   zero-filled ``numpy`` array of ``nbytes`` bytes (``uint8``), 64-byte aligned; view it
   as any dtype (``buf.view(np.float32)``, ``torch.frombuffer(buf, dtype=...)``).
-- The memory is the caller's like any array: it stays valid after ``close()``. What it
+- The memory is the caller's like any array: it stays valid after ``close()`` (and,
+  being a shared mapping on shm, a forked child's writes to it show in the parent). A
+  backend may keep what it needs to share a buffer until the group closes: there is no
+  free, so allocate buffers once (DDP makes one per bucket).
+- Where a backend cannot share a buffer (shm: /dev/shm full, a peer's file not
+  mappable), every rank gets plain memory alike and a ``RuntimeWarning`` says why. What it
   adds: a collective whose array lies inside a symmetric buffer at the *same offset on
   every rank* may read the peers' copies in place. On shm an ``all_reduce`` past the
   one-phase size reads them with plain loads (no staging copy through the segment, no
@@ -21,7 +26,7 @@ The contract (every backend keeps it):
 
 Two ranks, a gradient bucket that autograd writes straight into shared memory::
 
-    flat = torch.frombuffer(pg.alloc_symmetric(4096 * 4), dtype=torch.float32)
+    flat = torch.frombuffer(pg.alloc_symmetric(16384 * 4), dtype=torch.float32)  # 64 KiB
     req = pg.all_reduce_init(flat, ReduceOp.AVG)
     flat.fill_(pg.rank)
     req.start(); req.wait()      # flat == 0.5 on both ranks; on shm read in place

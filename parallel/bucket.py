@@ -213,10 +213,14 @@ class Bucket:
             self._flags.copy_(self._flags.new_tensor(self._has_grad))
             self._flags_are_ones = False
         if blocking:
+            run = getattr(self._request, "run", None)  # (a request without one: start+wait)
             if self._request is None:
                 self.group.all_reduce(self.flat, op=ReduceOp.AVG)
+            elif run is not None:
+                run()
             else:
-                self._request.run()
+                self._request.start()
+                self._request.wait()
         elif self._request is None:
             self.work = self.group.all_reduce(self.flat, op=ReduceOp.AVG, async_op=True)
         else:
@@ -229,12 +233,12 @@ class Bucket:
         one process, where the optimizer then skips it): the flags are bitwise identical on
         every rank, so every rank decides the same."""
         work, self.work = self.work, None
-        self._flags_are_ones = False  # until the round's result is read below
+        ones = False
         try:
             if work is not None:
                 work.wait()
             flags = self._flags.tolist()
-            self._flags_are_ones = all(f == 1 for f in flags)
+            ones = all(f == 1 for f in flags)
             for slot, p in enumerate(self.params):
                 if flags[slot] > 0:
                     if not self._aliases(slot):
@@ -243,6 +247,7 @@ class Bucket:
                     p.grad = None
         finally:
             self.reset()
+            self._flags_are_ones = ones  # what the round left in `flat`'s flags
 
     def reset(self) -> None:
         work = self.work
@@ -256,4 +261,5 @@ class Bucket:
         self._ready = [False] * len(self.params)
         self._has_grad = [False] * len(self.params)
         self._pending = len(self.params)
+        self._flags_are_ones = False  # (finish() sets it from the round's result)
         self.work = None

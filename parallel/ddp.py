@@ -26,9 +26,11 @@ Accelerating Data Parallel Training", VLDB 2020, arXiv 2006.15704):
    final. When a bucket's last gradient lands it starts its persistent
    ``all_reduce_init(flat, AVG)`` request (made once, with the bucket; see
    ``collectives.persistent``), while backward goes on with earlier layers. The last
-   bucket is the exception: when it fills, every parameter's gradient has landed and
-   nothing is left to overlap, so the end-of-backward callback runs its round on the
-   spot (``request.run()``), which saves handing it to the group's thread and back.
+   bucket is the exception: when it fills, every parameter's gradient has landed, so
+   the end-of-backward callback runs its round on the spot (``request.run()``), which
+   saves handing it to the group's thread and back. (Where backward goes on past the
+   module's parameters, e.g. into inputs that require grad or into another module, that
+   rest of the pass no longer overlaps the last bucket's round.)
    Buckets are launched strictly in bucket order: a full bucket waits for the ones before
    it. Every rank therefore issues the same all-reduces in the same order, whatever order
    its gradients arrive in; this is what keeps the ranks' collectives matched.
@@ -234,14 +236,17 @@ class DistributedDataParallel(nn.Module):
         sync, self._pass_sync = self._pass_sync, None
         if not sync:
             return
+        error = None
         try:
             last = self._buckets[-1]
             for bucket in self._buckets[self._next_launch:]:
                 bucket.fill_missing()
                 bucket.launch(blocking=bucket is last)
+        except BaseException as exc:
+            error = exc  # (a failed round: no bucket hands out what it holds)
+            raise
         finally:
             self._next_launch = 0
-            error = None
             for bucket in self._buckets:
                 if error is None:
                     try:
@@ -251,7 +256,7 @@ class DistributedDataParallel(nn.Module):
                 else:
                     bucket.reset()
             if error is not None:
-                raise error
+                raise error  # (the launch's own error, when it was one, is in flight)
 
     # -------------------------------------------------------------------- inspection
     @property

@@ -120,6 +120,37 @@ def test_bucket_life_cycle():
     assert not bucket.launched and "3 pending" in repr(bucket)
 
 
+def test_bucket_flags_follow_every_pass_and_blocking_launches_run_now():
+    """The flags are written only when they change: all gradients, then one missing, then
+    all again must each reach the all-reduce as they are (1, 0, 1), through async and
+    blocking launches alike; a failed round leaves the next pass writing them afresh."""
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    group = _LoopbackGroup()
+    bucket = Bucket(0, [a, b], group)
+    seen = []
+    for missing, blocking in ((None, False), (1, True), (None, True), (None, False)):
+        for slot, p in enumerate((a, b)):
+            p.grad = None if slot == missing else torch.ones_like(p)
+            if slot != missing:
+                bucket.adopt(slot)
+                bucket.mark_ready(slot)
+        bucket.fill_missing()
+        bucket.launch(blocking=blocking)
+        assert bucket.launched != blocking   # a blocking launch is over when it returns
+        seen.append(bucket.flat[-2:].tolist())
+        bucket.finish()
+        assert (b.grad is None) == (missing == 1)
+    assert seen == [[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
+    assert len(group.calls) == 4
+    bucket.flat[-2:] = 0.5                   # what a failed round may leave behind
+    bucket.reset()
+    for slot in (0, 1):
+        bucket.adopt(slot)
+        bucket.mark_ready(slot)
+    bucket.launch()
+    assert bucket.flat[-2:].tolist() == [1.0, 1.0]
+
+
 def test_bucket_launch_refuses_missing_gradients():
     p = torch.nn.Parameter(torch.ones(3))
     bucket = Bucket(0, [p], _LoopbackGroup())

@@ -474,19 +474,38 @@ def test_fast_path_hands_hooks_plain_arrays_only():
 
 
 def test_fast_path_leaves_unaligned_and_read_only_arrays_to_the_general_path():
-    """The fast path takes what ``flags.carray`` says (C-contiguous, aligned, writeable);
-    an unaligned array still reduces correctly (the general path), a read-only one is
-    still the general path's ValueError."""
-    def body(pg):
-        unaligned = np.zeros(17, np.uint8)[1:].view(np.float32)
-        assert not unaligned.flags.aligned
-        unaligned[:] = pg.rank + 1
-        pg.all_reduce(unaligned)
-        read_only = np.ones(4, np.float32)
-        read_only.flags.writeable = False
-        with pytest.raises(ValueError, match="all_reduce.*read-only"):
-            pg.all_reduce(read_only)
-        return unaligned.tolist()
+    """The fast path takes what ``flags.carray`` says (C-contiguous, aligned, writeable):
+    an aligned array goes the fast way, an unaligned one the general way (and still
+    reduces: the hook gets it), a read-only one the general path's ValueError."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from base_overhead import NoOpGroup
+
+    pg = NoOpGroup()
+    general = []
+    real = pg._dispatch_collective
+
+    def spy(op, *args, **kwargs):
+        general.append(op)
+        return real(op, *args, **kwargs)
+
+    pg._dispatch_collective = spy
+    pg.all_reduce(np.ones(4, np.float32))
+    assert general == []
+    unaligned = np.zeros(17, np.uint8)[1:].view(np.float32)
+    assert not unaligned.flags.aligned and unaligned.flags.c_contiguous
+    pg.all_reduce(unaligned)
+    assert general == ["all_reduce"]
+    read_only = np.ones(4, np.float32)
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match="all_reduce.*read-only"):
+        pg.all_reduce(read_only)
+    pg.close()
+
+    def body(group):
+        a = np.zeros(17, np.uint8)[1:].view(np.float32)
+        a[:] = group.rank + 1
+        group.all_reduce(a)
+        return a.tolist()
 
     assert run_threads(body, 2) == [[3.0] * 4] * 2
 

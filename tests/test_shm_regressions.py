@@ -111,7 +111,7 @@ def _check_reduce_paths(limit_bytes, large_counts):
 def test_reduce_paths_default_chunk_match_the_reference_bitwise():
     """Default 1 MiB slot: the one-phase path up to 32 KiB and the pipelined path above
     (one chunk, two chunks, odd tails), at 2 and 3 ranks (3: uneven pieces). The
-    single-copy all_reduce (from 1 MiB) is off, so that the pipelined one runs here
+    single-copy all_reduce (from 1.5 MiB) is off, so that the pipelined one runs here
     (tests/test_shm_cma.py holds the two against each other)."""
     from backends.shm.reduce import SMALL_REDUCE_BYTES
     large = (SMALL_REDUCE_BYTES // 4 + 1, 400_001, 2 * 174_752 + 5)

@@ -13,7 +13,9 @@ The base class's default (plain memory) runs in a thread world.
 
 from __future__ import annotations
 
+import errno
 import os
+import warnings
 
 import ml_dtypes
 import numpy as np
@@ -34,6 +36,7 @@ CASES = [
     ("bfloat16", ReduceOp.AVG, 70_000, 0),
     ("int32", ReduceOp.MIN, 300_001, 128),
     ("int64", ReduceOp.PRODUCT, 5_000, 0),
+    ("float32", ReduceOp.SUM, 400_003, 64),  # 1.6 MB: the plain call reads in place at 2
 ]
 BUFFER_BYTES = 3 << 20
 
@@ -112,6 +115,41 @@ def _job() -> dict:
         except ValueError as exc:
             out["mismatch"] = str(exc)
         out["after_mismatch"] = pg.all_gather_object(pg.rank) == list(range(pg.size))
+        out["empty"] = pg.alloc_symmetric(0).nbytes == 0
+        try:
+            pg.alloc_symmetric(0 if pg.rank == 0 else 4096)  # 0 still takes part
+            out["zero_mismatch"] = "no error"
+        except ValueError as exc:
+            out["zero_mismatch"] = str(exc)
+
+        # The last rank cannot reserve its pages (a full /dev/shm): plain memory on every
+        # rank, a warning on it and on the lowest other rank, the all_reduce still right.
+        before = len(pg._symmetric)
+        real_fallocate = os.posix_fallocate
+
+        def full(fd, offset, length):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        if pg.rank == pg.size - 1:
+            os.posix_fallocate = full
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                plain_buf = pg.alloc_symmetric(1 << 16)
+        finally:
+            os.posix_fallocate = real_fallocate
+        b = plain_buf.view(np.float32)
+        b[:] = pg.rank + 1
+        taken.clear()
+        pg.all_reduce(b)
+        pg.barrier()
+        out["fallback"] = {
+            "kept": len(pg._symmetric) == before and plain_buf.ctypes.data % 64 == 0,
+            "sum": bool((b == pg.size * (pg.size + 1) / 2).all()),
+            "in_place": taken[:1] == [True],
+            "warnings": [str(w.message) for w in caught],
+            "linked": [r for r in range(pg.size)
+                       if os.path.exists(pg._symmetric_path(pg._symmetric_count - 1, r))]}
 
         from parallel import DDP
         ddp = DDP(torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 4)), pg)
@@ -143,6 +181,31 @@ def test_all_reduce_in_symmetric_memory(nproc, native):
         assert "same `nbytes`" in out["mismatch"] and "alloc_symmetric" in out["mismatch"]
         assert f"rank {out['rank']}/{nproc}" in out["mismatch"] and out["after_mismatch"]
         assert out["ddp_buckets_shared"] and out["ddp_in_place"]
+        assert out["empty"] and "same `nbytes`" in out["zero_mismatch"]
+        fb = out["fallback"]
+        assert fb["kept"] and fb["sum"] and not fb["in_place"] and fb["linked"] == []
+        if out["rank"] == nproc - 1:
+            assert len(fb["warnings"]) == 1 and "reserving 65536 bytes" in fb["warnings"][0]
+        elif out["rank"] == 0:
+            assert len(fb["warnings"]) == 1
+            assert f"rank(s) [{nproc - 1}] could not share" in fb["warnings"][0]
+        else:
+            assert fb["warnings"] == []
+
+
+def _one_rank() -> tuple:
+    pg = collectives.init_process_group()
+    buf = pg.alloc_symmetric(1 << 16)
+    a = buf.view(np.float32)
+    a[:] = 2.0
+    pg.all_reduce(a)
+    result = (buf.ctypes.data % 64, float(a[0]), pg.alloc_symmetric(0).nbytes, pg.backend)
+    pg.close()
+    return result
+
+
+def test_a_world_of_one_gets_aligned_plain_memory():
+    assert collectives.spawn(_one_rank, 1, backend="shm", timeout=30) == [(0, 2.0, 0, "shm")]
 
 
 def test_default_is_plain_aligned_memory():

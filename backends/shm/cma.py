@@ -48,8 +48,10 @@ from .ops import _ALIGN, _DTYPE_CODE, _REDOP_BY_ID, OP_ALL_REDUCE
 #: all_reduce messages of at least this many bytes, times ``size // 2``, read the peers'
 #: memory directly. Measured on 2 cores, the paths timed in turn in one job: at 2 ranks
 #: staging is 13% faster at 1 MiB (twice: 336 vs 384 us, 320 vs 366 us), even at 1.5
-#: MiB, 10-25% slower from 2 MiB; at 4 ranks (oversubscribed) staging is faster up to 4
-#: MiB and even near 6 MiB, so 3 MiB there is on the single-copy side of safe.
+#: MiB, 10-25% slower from 2 MiB. At 4 ranks (oversubscribed) staging was faster at 3
+#: MiB (2.60 vs 3.52 ms) and 4 MiB (3.40 vs 3.66 ms) and the two within 6% of each other
+#: from 6 to 16 MiB: the 3 MiB line there (this one times size // 2) is not tuned for
+#: 4 ranks on 2 cores, only moved with the 2-rank one.
 CMA_ALL_REDUCE_BYTES = 3 << 19
 #: ``0`` turns the single-copy path off on this rank (and so for its groups).
 CMA_ENV = "COLLECTIVES_SHM_CMA"
