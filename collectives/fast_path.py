@@ -52,22 +52,17 @@ CACHE_ENTRIES = 32
 
 _time = time.time
 
-#: The supported dtypes by identity: hashing an int is cheaper than hashing a dtype, and
-#: an equal dtype that is not the canonical object (one with metadata) takes the general
-#: path. Canonical builtin dtypes are native-endian.
-_DTYPE_IDS = frozenset(id(d) for d in SUPPORTED_DTYPES)
-#: id(dtype) -> the ids of the ReduceOp members that check_reducible accepts for it: no
-#: bool, no AVG on integers (two int lookups, no tuple to build and hash). Members and
-#: canonical dtypes live as long as the interpreter.
+#: id(dtype) -> the ids of the ReduceOp members that check_reducible accepts for it (none
+#: for bool, no AVG on integers), for every supported dtype: one lookup says both whether
+#: the fast path takes the dtype (a key) and which reductions (the value). By identity:
+#: hashing an int is cheaper than hashing a dtype or building a tuple, and an equal dtype
+#: that is not the canonical object (one with metadata) takes the general path. Members
+#: and canonical (native-endian) dtypes live as long as the interpreter.
 VALID_REDUCTIONS: dict[int, frozenset] = {
-    id(d): frozenset(id(op) for op in ReduceOp
-                     if not (op is ReduceOp.AVG and np.issubdtype(d, np.integer)))
-    for d in SUPPORTED_DTYPES if d != np.bool_}
+    id(d): frozenset() if d == np.bool_ else frozenset(
+        id(op) for op in ReduceOp if not (op is ReduceOp.AVG and np.issubdtype(d, np.integer)))
+    for d in SUPPORTED_DTYPES}
 _NO_OPS: frozenset = frozenset()
-#: VALID_REDUCTIONS with bool's empty set: one lookup says both whether the fast path
-#: takes the dtype (a key) and which reductions (the value).
-_OPS_BY_DTYPE: dict[int, frozenset] = {id(d): VALID_REDUCTIONS.get(id(d), _NO_OPS)
-                                       for d in SUPPORTED_DTYPES}
 
 
 class HostViews:
@@ -90,7 +85,7 @@ class HostViews:
         """``(flat host array, caller's shape)`` when ``obj`` may go straight to a hook
         as a zero-copy, writable view; None when it needs the general path."""
         if type(obj) is np.ndarray:   # (FastPath._fast_collective checks it alike)
-            if id(obj.dtype) in _DTYPE_IDS and obj.flags.carray:
+            if id(obj.dtype) in VALID_REDUCTIONS and obj.flags.carray:
                 return (obj if obj.ndim == 1 else obj.reshape(-1)), obj.shape
             return None
         entry = self._entries.get(id(obj))
@@ -107,7 +102,7 @@ class HostViews:
             return None
         _init_torch_table(torch)
         dt = _TORCH_TO_NUMPY.get(obj.dtype)
-        if (dt is None or id(dt) not in _DTYPE_IDS or not obj.is_cpu
+        if (dt is None or id(dt) not in VALID_REDUCTIONS or not obj.is_cpu
                 or not obj.is_contiguous() or obj.is_neg() or obj.is_conj()):
             return None
         host = obj.detach()
@@ -147,7 +142,7 @@ class FastPath:
         less per collective (about 0.1 us of the microsecond this path has)."""
         if type(tensor) is np.ndarray:   # the rule of HostViews.lookup's first branch
             dtype = tensor.dtype
-            valid = _OPS_BY_DTYPE.get(id(dtype))
+            valid = VALID_REDUCTIONS.get(id(dtype))
             # carray: C-contiguous, aligned and writeable, in one flag
             if valid is None or not tensor.flags.carray:
                 return False
@@ -159,7 +154,7 @@ class FastPath:
                 return False
             flat, shape = found
             dtype = flat.dtype
-            valid = _OPS_BY_DTYPE.get(id(dtype), _NO_OPS)
+            valid = VALID_REDUCTIONS.get(id(dtype), _NO_OPS)
         if reduce_op is not None and id(reduce_op) not in valid:
             return False
         if self._closed:

@@ -212,20 +212,18 @@ class Bucket:
         else:
             self._flags.copy_(self._flags.new_tensor(self._has_grad))
             self._flags_are_ones = False
-        if blocking:
-            run = getattr(self._request, "run", None)  # (a request without one: start+wait)
-            if self._request is None:
-                self.group.all_reduce(self.flat, op=ReduceOp.AVG)
-            elif run is not None:
-                run()
-            else:
-                self._request.start()
-                self._request.wait()
-        elif self._request is None:
-            self.work = self.group.all_reduce(self.flat, op=ReduceOp.AVG, async_op=True)
-        else:
-            self._request.start()
-            self.work = self._request
+        request = self._request
+        if request is None:  # a group without persistent requests
+            self.work = self.group.all_reduce(self.flat, op=ReduceOp.AVG,
+                                              async_op=not blocking)
+        elif not blocking:
+            request.start()
+            self.work = request
+        elif hasattr(request, "run"):
+            request.run()
+        else:  # a request from before run() (a user's wrapper)
+            request.start()
+            request.wait()
 
     def finish(self) -> None:
         """Wait for the all-reduce and hand the averages to the parameters; get ready for the

@@ -43,7 +43,7 @@ import numpy as np
 from collectives.errors import CollectiveError, PeerError
 from collectives.reduce_op import ReduceOp
 
-from .ops import _ALIGN, _DTYPE_CODE, _REDOP_BY_ID, OP_ALL_REDUCE
+from .ops import _DTYPE_CODE, _REDOP_BY_ID, OP_ALL_REDUCE, piece_bounds
 
 #: all_reduce messages of at least this many bytes, times ``size // 2``, read the peers'
 #: memory directly. Measured on 2 cores, the paths timed in turn in one job: at 2 ranks
@@ -101,9 +101,7 @@ class CmaReduce:
             if not self._cma:
                 return False
         itemsize = a.itemsize
-        align = max(1, _ALIGN // itemsize)
-        part = ((a.size + n - 1) // n + align - 1) // align * align
-        bounds = [(min(a.size, k * part), min(a.size, (k + 1) * part)) for k in range(n)]
+        bounds = piece_bounds(a.size, n, itemsize)
         pids = self._pids
         k0, k1 = bounds[me]
         if k1 > k0:

@@ -58,6 +58,21 @@ _REDOP_BY_ID = {id(k): v for k, v in _REDOP_CODE.items()}  # Enum.__hash__ is Py
 _ALIGN = 64
 
 
+def piece_bounds(count: int, n: int, itemsize: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` of rank k's piece of a ``count``-element array split n ways, each piece
+    starting on an ``_ALIGN`` boundary (the last ones may be short or empty): the
+    ownership of the in-place all_reduces (single-copy and symmetric).
+
+    >>> piece_bounds(10, 3, 4)
+    [(0, 10), (10, 10), (10, 10)]
+    >>> piece_bounds(100, 2, 4)
+    [(0, 64), (64, 100)]
+    """
+    align = max(1, _ALIGN // itemsize)
+    part = ((count + n - 1) // n + align - 1) // align * align
+    return [(min(count, k * part), min(count, (k + 1) * part)) for k in range(n)]
+
+
 def _describe(fp0: int, fp1: int, dtype_name) -> str:
     op = fp0 & 0xF
     redop = (fp0 >> 4) & 0xF

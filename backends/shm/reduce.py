@@ -151,9 +151,6 @@ class ReduceOps:
         """Reduce-scatter + all-gather, one chunk per phase (see the module docstring)."""
         n, me, dt = self.size, self.rank, a.dtype
         self._start(opcode, seq, dt, a.nbytes, dst, op)
-        kernel = _KERNEL_BY_ID[id(op)]
-        combine = self._native_combine   # the compiled core's reduction, or None
-        code, redop = _DTYPE_CODE.get(dt, 0), _REDOP_BY_ID[id(op)]
         gets_result = dst < 0 or dst == me
         P, C = self._piece_layout(a.itemsize)
         align = max(1, _ALIGN // a.itemsize)
@@ -187,19 +184,28 @@ class ReduceOps:
                     prev = views[b ^ 1]
                     srcs = [a[lo + k0:lo + k1] if r == me else prev[r][k0:k1]
                             for r in range(n)]
-                    out = slot_in[C:C + (k1 - k0)]
-                    if combine is not None:    # the compiled core, GIL released
-                        combine(out, srcs, code, redop, n)
-                    else:
-                        kernel(srcs[0], srcs[1], out=out)
-                        for r in range(2, n):
-                            kernel(out, srcs[r], out=out)
-                        finish(op, out, n)
+                    self._rank_order_reduce(slot_in[C:C + (k1 - k0)], srcs, op)
             if j >= 2 and gets_result:             # 3. copy out chunk j-2
                 self._copy_out(a, views[b ^ 1], (j - 2) * C, C, bounds[j - 2])
             self._exchange(q)
         if gets_result:                            # chunk K-1, from the last bank
             self._copy_out(a, views[q & 1], (K - 1) * C, C, bounds[K - 1])
+
+    def _rank_order_reduce(self, out: np.ndarray, srcs: list, op: ReduceOp) -> None:
+        """``out = srcs[0] (op) srcs[1] (op) ...`` in rank order, AVG divided once: the
+        compiled core's ``combine`` (GIL released), else numpy's kernels. ``out`` may be
+        one of ``srcs`` (the in-place paths reduce a piece into its owner's array)."""
+        combine = self._native_combine
+        if combine is not None:  # accumulates block by block: any source may be `out`
+            combine(out, srcs, _DTYPE_CODE.get(out.dtype, 0), _REDOP_BY_ID[id(op)], len(srcs))
+            return
+        kernel = _KERNEL_BY_ID[id(op)]
+        if any(s is out for s in srcs[2:]):  # numpy would overwrite it before reading it
+            srcs = [s.copy() if s is out else s for s in srcs]
+        kernel(srcs[0], srcs[1], out=out)
+        for s in srcs[2:]:
+            kernel(out, s, out=out)
+        finish(op, out, len(srcs))
 
     def _copy_out(self, a: np.ndarray, bank: list, lo: int, C: int, bounds: list) -> None:
         """Everybody's reduced piece of the chunk at ``lo`` (the output parts of ``bank``,

@@ -23,8 +23,8 @@ The all_reduce (past the one-phase size) of an array lying in buffer ``i`` at of
    nonzero pair the call goes on by the usual paths (single-copy or pipelined), having
    cost one phase.
 2. reduce-scatter: rank k owns piece k; it reduces piece k of every rank's buffer, in
-   rank order, into its own (``combine``, GIL released; plain loads from the peers'
-   mappings). Nobody writes a piece another rank reads in this phase.
+   rank order, into its own (``ReduceOps._rank_order_reduce``: the core's ``combine``,
+   GIL released; plain loads from the peers' mappings). Nobody writes a piece another rank reads in this phase.
 3. phase; all-gather: rank k copies each peer's reduced piece into its own buffer.
 4. phase: every rank finished reading, so each may return and reuse its array.
 
@@ -42,10 +42,10 @@ import os
 import warnings
 import numpy as np
 
-from collectives.reduce_op import ReduceOp, finish
+from collectives.reduce_op import ReduceOp
 from collectives.shm_names import SHM_DIR, segment_name
 
-from .ops import _ALIGN, _DTYPE_CODE, _REDOP_BY_ID, OP_ALL_REDUCE
+from .ops import OP_ALL_REDUCE, piece_bounds
 
 
 #: Set in the root field of the vote phase's fingerprint (an all_reduce has no root),
@@ -186,14 +186,12 @@ class SymmetricHeap:
         views = [a if r == me else
                  self._symmetric[where[0] - 1][2][r][lo:lo + a.nbytes].view(a.dtype)
                  for r in range(n)]
-        align = max(1, _ALIGN // a.itemsize)
-        part = ((a.size + n - 1) // n + align - 1) // align * align
-        bounds = [(min(a.size, k * part), min(a.size, (k + 1) * part)) for k in range(n)]
+        bounds = piece_bounds(a.size, n, a.itemsize)
         k0, k1 = bounds[me]
         if k1 > k0:
             piece = a[k0:k1]
-            self._reduce_piece(piece, [piece if r == me else v[k0:k1]
-                                       for r, v in enumerate(views)], op)
+            self._rank_order_reduce(piece, [piece if r == me else v[k0:k1]
+                                            for r, v in enumerate(views)], op)
         self._exchange(self._enter())
         for r in self._peers:
             r0, r1 = bounds[r]
@@ -201,20 +199,6 @@ class SymmetricHeap:
                 np.copyto(a[r0:r1], views[r][r0:r1])
         self._exchange(self._enter())
         return True
-
-    def _reduce_piece(self, out: np.ndarray, srcs: list, op: ReduceOp) -> None:
-        """``out`` (one of ``srcs``) = the rank-order reduction of ``srcs``."""
-        combine = self._native_combine
-        if combine is not None:  # the compiled core: any source may be `out`
-            combine(out, srcs, _DTYPE_CODE.get(out.dtype, 0), _REDOP_BY_ID[id(op)], len(srcs))
-            return
-        from .reduce import _KERNEL_BY_ID
-        kernel = _KERNEL_BY_ID[id(op)]
-        srcs = [s.copy() if s is out else s for s in srcs]  # numpy: `out` is overwritten
-        kernel(srcs[0], srcs[1], out=out)
-        for s in srcs[2:]:
-            kernel(out, s, out=out)
-        finish(op, out, len(srcs))
 
     def _release_symmetric(self) -> None:
         """At close: forget the peers' mappings (they unmap once unreferenced). This
