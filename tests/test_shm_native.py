@@ -118,6 +118,33 @@ def test_16_bit_floats_round_as_numpy_over_every_bit_pattern(name):
 
 
 @needs_core
+@pytest.mark.parametrize("name", FLOATS)
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
+def test_avg_over_a_power_of_two_multiplies_with_the_divisions_bits(name, k):
+    """AVG over 2^j ranks multiplies by the exact reciprocal instead of dividing: the
+    same bits wherever the quotient lands, the subnormal range (where it rounds) and
+    the edges of the normal one included; other counts divide as before."""
+    dt = _dtype(name)
+    if dt.itemsize == 2:   # every bit pattern
+        pool = np.arange(1 << 16, dtype=np.uint16).view(dt)
+    else:                  # the subnormals' low bits, the normal range's edges, random
+        info = np.finfo(dt)
+        u = np.uint32 if dt.itemsize == 4 else np.uint64
+        tiny_bits = np.arange(0, 4096, dtype=u)
+        edges = np.array([info.tiny, -info.tiny, info.max, -info.max, info.smallest_subnormal,
+                          3 * info.smallest_subnormal, np.inf, -np.inf, np.nan, 0.0, -0.0], dt)
+        rand = np.random.default_rng(k).standard_normal(4096).astype(dt)
+        pool = np.concatenate([tiny_bits.view(dt), -tiny_bits.view(dt), edges, rand])
+    rng = np.random.default_rng(100 + k)
+    inputs = [pool] + [rng.permutation(pool) for _ in range(k - 1)]
+    with np.errstate(all="ignore"):
+        expected = reduce_arrays(ReduceOp.AVG, inputs)
+        assert _same(_combine(ReduceOp.AVG, inputs), expected), (name, k)
+        last = inputs[-1].copy()  # the output may be the last source too
+        assert _same(_combine(ReduceOp.AVG, inputs[:-1] + [last], out=last), expected)
+
+
+@needs_core
 def test_combine_refuses_bad_input_with_typed_errors():
     x = np.zeros(4, np.float32)
     with pytest.raises(ValueError, match="op code"):

@@ -119,19 +119,63 @@ static inline uint16_t f2b(float f) {
 #define IMIN(a, b) ((a) < (b) ? (a) : (b))
 #define IMAX(a, b) ((a) > (b) ? (a) : (b))
 
+/* AVG over a power-of-two number of ranks multiplies by the reciprocal instead of
+ * dividing: 1/n is then exact, and x * 2^-k rounds the same exact value x / 2^k does
+ * (subnormal results included), so the bits are the division's, at a fifth of the
+ * time (a divide is the slowest step of the whole reduction: 31 against 13 us for
+ * two halves of DDP's 0.87 MB bucket, in cache). */
+#define POW2(n) ((n) > 0 && ((n) & ((n) - 1)) == 0)
+
 /* dst[i] = a[i] (op) b[i] for i < m: one step of the float kernels. */
 #define FLOAT_STEP(op, dst, a, b, m, i)                                                \
     switch (op) {                                                                      \
-    case R_SUM: case R_AVG: for (i = 0; i < m; i++) dst[i] = a[i] + b[i]; break;       \
+    case R_SUM: for (i = 0; i < m; i++) dst[i] = a[i] + b[i]; break;                   \
     case R_PROD: for (i = 0; i < m; i++) dst[i] = a[i] * b[i]; break;                  \
     case R_MIN: for (i = 0; i < m; i++) dst[i] = FMIN(a[i], b[i]); break;              \
     default: for (i = 0; i < m; i++) dst[i] = FMAX(a[i], b[i]); break;                 \
     }
 
+/* AVG: the sums in rank order, the last one and the division in one pass (each still
+ * rounded on its own: no FMA contraction in this file); kept apart from the other
+ * operators so that their loops compile exactly as before. */
+#define FLOAT_AVG_KERNEL(NAME, T)                                                      \
+    static void NAME(T *out, char **srcs, int k, Py_ssize_t count, int n) {            \
+        T acc[BLOCK];                                                                  \
+        const int exact = POW2(n);                                                     \
+        const T d = (T)n, inv = (T)1 / d;                                              \
+        for (Py_ssize_t base = 0; base < count; base += BLOCK) {                       \
+            Py_ssize_t m = count - base < BLOCK ? count - base : BLOCK, i;             \
+            const T *restrict s0 = (const T *)srcs[0] + base;                          \
+            const T *restrict last = (const T *)srcs[k - 1] + base;                    \
+            if (k == 1) {                                                              \
+                if (exact) for (i = 0; i < m; i++) acc[i] = s0[i] * inv;               \
+                else for (i = 0; i < m; i++) acc[i] = s0[i] / d;                       \
+            } else if (k == 2) {                                                       \
+                if (exact) for (i = 0; i < m; i++) acc[i] = (s0[i] + last[i]) * inv;   \
+                else for (i = 0; i < m; i++) acc[i] = (s0[i] + last[i]) / d;           \
+            } else {                                                                   \
+                const T *restrict s1 = (const T *)srcs[1] + base;                      \
+                for (i = 0; i < m; i++) acc[i] = s0[i] + s1[i];                        \
+                for (int r = 2; r < k - 1; r++) {                                      \
+                    const T *restrict s = (const T *)srcs[r] + base;                   \
+                    for (i = 0; i < m; i++) acc[i] = acc[i] + s[i];                    \
+                }                                                                      \
+                if (exact) for (i = 0; i < m; i++) acc[i] = (acc[i] + last[i]) * inv;  \
+                else for (i = 0; i < m; i++) acc[i] = (acc[i] + last[i]) / d;          \
+            }                                                                          \
+            memcpy(out + base, acc, (size_t)m * sizeof(T));                            \
+        }                                                                              \
+    }
+
 #define FLOAT_KERNEL(NAME, T)                                                          \
+    FLOAT_AVG_KERNEL(NAME##_avg, T)                                                    \
     static void NAME(void *out_, char **srcs, int k, Py_ssize_t count, int op, int n) { \
         T *out = (T *)out_;                                                            \
         T acc[BLOCK];                                                                  \
+        if (op == R_AVG) {                                                             \
+            NAME##_avg(out, srcs, k, count, n);                                        \
+            return;                                                                    \
+        }                                                                              \
         for (Py_ssize_t base = 0; base < count; base += BLOCK) {                       \
             Py_ssize_t m = count - base < BLOCK ? count - base : BLOCK, i;             \
             const T *restrict s0 = (const T *)srcs[0] + base;                          \
@@ -141,10 +185,6 @@ static inline uint16_t f2b(float f) {
                 const T *restrict s = (const T *)srcs[r] + base;                       \
                 if (r == 1) FLOAT_STEP(op, acc, s0, s, m, i)                           \
                 else FLOAT_STEP(op, acc, acc, s, m, i)                                 \
-            }                                                                          \
-            if (op == R_AVG) {                                                         \
-                const T d = (T)n;                                                      \
-                for (i = 0; i < m; i++) acc[i] = acc[i] / d;                           \
             }                                                                          \
             memcpy(out + base, acc, (size_t)m * sizeof(T));                            \
         }                                                                              \
@@ -198,7 +238,12 @@ static inline uint16_t f2b(float f) {
             }                                                                          \
             if (op == R_AVG) {                                                         \
                 const float d = TOF(FROMF((float)n));                                  \
-                for (i = 0; i < m; i++) acc[i] = acc[i] / d;                           \
+                if (POW2(n) && d == (float)n) {  /* exact, as in FLOAT_KERNEL */      \
+                    const float inv = 1.0f / d;                                        \
+                    for (i = 0; i < m; i++) acc[i] = acc[i] * inv;                     \
+                } else {                                                               \
+                    for (i = 0; i < m; i++) acc[i] = acc[i] / d;                       \
+                }                                                                      \
             }                                                                          \
             for (i = 0; i < m; i++) out[base + i] = FROMF(acc[i]);                     \
         }                                                                              \
