@@ -924,44 +924,78 @@ static PyTypeObject GroupType = {
 };
 
 /* ------------------------------------------------------------- module functions */
-/* combine(out, sources, dtype, op, n): out = sources[0] (op) sources[1] ... in order,
- * then AVG divides by n; GIL released. `out` may be one of the sources. */
+/* combine(out, sources, dtype, op, n[, copies]): out = sources[0] (op) sources[1] ... in
+ * order, then AVG divides by n; GIL released. `out` may be one of the sources. Each
+ * array of `copies` (writable, out's length) receives the result too, piece by piece
+ * while it is in cache: the symmetric all_reduce's owner writes its reduced piece
+ * into every peer's buffer this way (a push, instead of each peer copying it). */
+#define COPY_PIECE (16 << 10)
+
 static PyObject *m_combine(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     int code, op, n;
-    NARGS("combine", 5);
+    if (nargs != 5 && nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "shm native combine: 5 or 6 arguments expected");
+        return NULL;
+    }
     if (arg_int(args[2], &code) < 0 || arg_int(args[3], &op) < 0 || arg_int(args[4], &n) < 0)
         return NULL;
     if (check_kernel(code, op) < 0) return NULL;
     PyObject *seq = PySequence_Fast(args[1], "shm native combine: a sequence of arrays");
     if (seq == NULL) return NULL;
-    Py_ssize_t k = PySequence_Fast_GET_SIZE(seq), i, done = 0;
+    PyObject *cseq = NULL;
+    if (nargs == 6 && args[5] != Py_None &&
+        !(cseq = PySequence_Fast(args[5], "shm native combine: a sequence of copies"))) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(seq), c = cseq ? PySequence_Fast_GET_SIZE(cseq) : 0;
+    Py_ssize_t i, done = 0;
+    /* k sources, then c copies, in one array of views (and one of pointers: the
+     * sources', then the sources' shifted to the current piece) */
     Py_buffer out, stack_views[16], *views = stack_views;
-    char *stack_ptrs[16], **ptrs = stack_ptrs;
+    char *stack_ptrs[32], **ptrs = stack_ptrs;
     PyObject *ret = NULL;
     if (k < 1) {
         PyErr_SetString(PyExc_ValueError, "shm native combine: no sources");
         goto end_seq;
     }
-    if (k > 16) {
-        views = PyMem_Malloc(sizeof(Py_buffer) * (size_t)k);
-        ptrs = PyMem_Malloc(sizeof(char *) * (size_t)k);
+    if (k + c > 16) {
+        views = PyMem_Malloc(sizeof(Py_buffer) * (size_t)(k + c));
+        ptrs = PyMem_Malloc(sizeof(char *) * (size_t)(2 * k));
         if (!views || !ptrs) { PyErr_NoMemory(); goto end_alloc; }
     }
     if (get_array(args[0], &out, 1, "combine") < 0) goto end_alloc;
-    for (i = 0; i < k; i++, done++) {
-        if (get_array(PySequence_Fast_GET_ITEM(seq, i), &views[i], 0, "combine") < 0)
-            goto end_views;
+    for (i = 0; i < k + c; i++, done++) {
+        int is_copy = i >= k;
+        PyObject *o = is_copy ? PySequence_Fast_GET_ITEM(cseq, i - k)
+                              : PySequence_Fast_GET_ITEM(seq, i);
+        if (get_array(o, &views[i], is_copy, "combine") < 0) goto end_views;
         if (views[i].len != out.len) {
             PyBuffer_Release(&views[i]);
-            PyErr_Format(PyExc_ValueError, "shm native combine: source %zd has %zd bytes, "
-                         "out %zd", i, views[i].len, out.len);
+            PyErr_Format(PyExc_ValueError, "shm native combine: %s %zd has %zd bytes, "
+                         "out %zd", is_copy ? "copy" : "source", is_copy ? i - k : i,
+                         views[i].len, out.len);
             goto end_views;
         }
-        ptrs[i] = views[i].buf;
+        if (!is_copy) ptrs[i] = views[i].buf;
     }
-    Py_ssize_t count = out.len / KERNELS[code].itemsize;
+    int itemsize = KERNELS[code].itemsize;
+    Py_ssize_t count = out.len / itemsize;
     Py_BEGIN_ALLOW_THREADS
-    KERNELS[code].fn(out.buf, ptrs, (int)k, count, op, n);
+    if (c == 0) {
+        KERNELS[code].fn(out.buf, ptrs, (int)k, count, op, n);
+    } else {
+        Py_ssize_t piece = COPY_PIECE / itemsize;
+        char **shifted = ptrs + k;
+        for (Py_ssize_t lo = 0; lo < count; lo += piece) {
+            Py_ssize_t m = count - lo < piece ? count - lo : piece, off = lo * itemsize;
+            for (i = 0; i < k; i++) shifted[i] = ptrs[i] + off;
+            KERNELS[code].fn((char *)out.buf + off, shifted, (int)k, m, op, n);
+            for (i = 0; i < c; i++)
+                memcpy((char *)views[k + i].buf + off, (char *)out.buf + off,
+                       (size_t)(m * itemsize));
+        }
+    }
     Py_END_ALLOW_THREADS
     ret = Py_None;
     Py_INCREF(ret);
@@ -973,6 +1007,7 @@ end_alloc:
     if (ptrs != stack_ptrs) PyMem_Free(ptrs);
 end_seq:
     Py_DECREF(seq);
+    Py_XDECREF(cseq);
     return ret;
 }
 

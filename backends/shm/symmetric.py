@@ -6,7 +6,8 @@ Allocation (a collective; every rank calls it alike): each rank creates
 ``/dev/shm/collectives-<job>-<group>.sym<i>.r<rank>``, reserves its pages
 (``posix_fallocate``: a full /dev/shm is a refusal now, not a SIGBUS at the first
 write) and maps it; an all_gather of the sizes (equal, or ``ValueError`` on every rank)
-and of whether that worked; each rank maps its peers' files read-only; an all_gather of
+and of whether that worked; each rank maps its peers' files (read and write: the
+all_reduce below pushes results into them); an all_gather of
 whether that worked (also the barrier after which the names may go); each rank unlinks
 its own name. Where any rank failed, every rank returns plain memory instead (and a
 warning says why): the buffer works, nothing is read in place. From then on nothing is
@@ -22,17 +23,21 @@ The all_reduce (past the one-phase size) of an array lying in buffer ``i`` at of
    all read the same words, so all decide alike. Unless every rank published the same
    nonzero pair the call goes on by the usual paths (single-copy or pipelined), having
    cost one phase.
-2. reduce-scatter: rank k owns piece k; it reduces piece k of every rank's buffer, in
-   rank order, into its own (``ReduceOps._rank_order_reduce``: the core's ``combine``,
-   GIL released; plain loads from the peers' mappings). Nobody writes a piece another rank reads in this phase.
-3. phase; all-gather: rank k copies each peer's reduced piece into its own buffer.
-4. phase: every rank finished reading, so each may return and reuse its array.
+2. reduce and push: rank k owns piece k; it reduces piece k of every rank's buffer, in
+   rank order, and writes the result into piece k of its own buffer and of every
+   peer's (the core's ``combine`` with copies, GIL released, piece by piece while the
+   result is in cache; plain loads and stores through the peers' mappings). Only rank
+   k reads or writes piece k of any buffer, so nobody needs to wait for anybody here.
+3. phase: every piece has been written everywhere, and nobody reads any buffer any
+   more, so each rank may return and reuse its array.
 
 The same pieces and the same kernels as the other paths, each element reduced once by
-its owner in rank order: bitwise the results of the single-copy path. Traffic per rank,
-two ranks: the reduction of half the message (two reads, one write) and a copy of the
-other half: about 2.5 times the message, against 3 (single copy, through the kernel)
-and 4.5 (staged through the segment).
+its owner in rank order: bitwise the results of the single-copy path. Traffic per rank:
+every rank's piece read once and the result written once per rank, twice the message
+in all (two ranks), against about 3 times (single copy, through the kernel) and 4.5
+(staged through the segment); and two phases. What a call needs to know of its array
+(where it lies, its piece and the peers' views of it) is worked out once per array and
+kept (``_symmetric_plan``): DDP's bucket, a persistent request's array.
 """
 
 from __future__ import annotations
@@ -45,13 +50,16 @@ import numpy as np
 from collectives.reduce_op import ReduceOp
 from collectives.shm_names import SHM_DIR, segment_name
 
-from .ops import OP_ALL_REDUCE, piece_bounds
+from .ops import _DTYPE_CODE, _REDOP_BY_ID, OP_ALL_REDUCE, piece_bounds
 
 
 #: Set in the root field of the vote phase's fingerprint (an all_reduce has no root),
 #: so that ranks that disagree on whether to vote fail loudly instead of reading each
 #: other's words of another phase.
 _VOTE_MARK = 0xFFFF << 16
+#: Arrays whose plan a group keeps (a persistent request or a loop over one buffer uses
+#: one); past it the plans start over.
+_PLANS_MAX = 16
 
 
 class SymmetricHeap:
@@ -62,6 +70,9 @@ class SymmetricHeap:
     #: collective, so every rank holds as many, in the same order.
     _symmetric: tuple = ()
     _symmetric_count = 0
+    #: id(array) -> (array, dtype, (i + 1, o), own piece or None, the pieces to reduce in
+    #: rank order, the peers' copies of the piece): see _symmetric_plan.
+    _symmetric_plans: dict = {}
 
     def _alloc_symmetric(self, nbytes: int, where: str) -> np.ndarray:
         index = self._symmetric_count
@@ -150,10 +161,10 @@ class SymmetricHeap:
             return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
 
     def _map_peer(self, r: int, index: int, nbytes: int) -> np.ndarray:
-        fd = os.open(self._symmetric_path(index, r), os.O_RDONLY)
-        try:
-            return np.frombuffer(mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ),
-                                 np.uint8)
+        fd = os.open(self._symmetric_path(index, r), os.O_RDWR)
+        try:  # writable: the all_reduce's owner of a piece pushes the result into it
+            return np.frombuffer(mmap.mmap(fd, nbytes, mmap.MAP_SHARED,
+                                           mmap.PROT_READ | mmap.PROT_WRITE), np.uint8)
         finally:
             os.close(fd)
 
@@ -166,37 +177,60 @@ class SymmetricHeap:
                 return i + 1, lo - start
         return 0, 0
 
+    def _symmetric_plan(self, a: np.ndarray) -> tuple:
+        """What an all_reduce of ``a`` needs to know, worked out once per array (see
+        ``_symmetric_plans``): where it lies, this rank's piece of it (None where the
+        piece is empty), that piece in every rank's buffer in rank order (the sources),
+        and in every peer's (where the result is pushed)."""
+        where = self._symmetric_place(a)
+        piece, srcs, copies = None, [], []
+        if where[0]:
+            lo, me = where[1], self.rank
+            mapped = self._symmetric[where[0] - 1][2]
+            k0, k1 = piece_bounds(a.size, self.size, a.itemsize)[me]
+            if k1 > k0:
+                piece = a[k0:k1]
+                for r in range(self.size):
+                    view = mapped[r][lo:lo + a.nbytes].view(a.dtype)[k0:k1]
+                    srcs.append(piece if r == me else view)
+                    if r != me:
+                        copies.append(view)
+        plan = (a, a.dtype, where, piece, srcs, copies)
+        if where[0]:
+            plans = self._symmetric_plans
+            if not plans or len(plans) >= _PLANS_MAX:
+                plans = self._symmetric_plans = {}   # (the instance's own dict)
+            plans[id(a)] = plan
+        return plan
+
     def _symmetric_all_reduce(self, a: np.ndarray, op: ReduceOp, seq: int) -> bool:
         """all_reduce of the flat ``a`` read in place from every rank's buffer; False
         (agreed with every rank) where ``a`` is not at one place in all of them."""
-        n, me = self.size, self.rank
         self._start(OP_ALL_REDUCE, seq, a.dtype, a.nbytes, -1, op)
-        where = self._symmetric_place(a)
+        plan = self._symmetric_plans.get(id(a))
+        if plan is None or plan[0] is not a or plan[1] is not a.dtype:
+            plan = self._symmetric_plan(a)
+        _, _, where, piece, srcs, copies = plan
         fp0 = self._fp0
         self._fp0 = fp0 | _VOTE_MARK  # a rank in another path's first phase: a mismatch
         q = self._enter()
-        words = self._sv(q & 1, me, np.uint64)
+        bank = q & 1
+        words = self._sv(bank, self.rank, np.uint64)
         words[0], words[1] = where
         self._exchange(q)
         self._fp0 = fp0
         if where[0] == 0 or any((int(w[0]), int(w[1])) != where for w in
-                                (self._sv(q & 1, r, np.uint64) for r in self._peers)):
+                                (self._sv(bank, r, np.uint64) for r in self._peers)):
             return False
-        lo = where[1]
-        views = [a if r == me else
-                 self._symmetric[where[0] - 1][2][r][lo:lo + a.nbytes].view(a.dtype)
-                 for r in range(n)]
-        bounds = piece_bounds(a.size, n, a.itemsize)
-        k0, k1 = bounds[me]
-        if k1 > k0:
-            piece = a[k0:k1]
-            self._rank_order_reduce(piece, [piece if r == me else v[k0:k1]
-                                            for r, v in enumerate(views)], op)
-        self._exchange(self._enter())
-        for r in self._peers:
-            r0, r1 = bounds[r]
-            if r1 > r0:
-                np.copyto(a[r0:r1], views[r][r0:r1])
+        if piece is not None:
+            combine = self._native_combine
+            if combine is not None:
+                combine(piece, srcs, _DTYPE_CODE.get(piece.dtype, 0), _REDOP_BY_ID[id(op)],
+                        self.size, copies)
+            else:
+                self._rank_order_reduce(piece, srcs, op)
+                for view in copies:
+                    np.copyto(view, piece)
         self._exchange(self._enter())
         return True
 
@@ -204,4 +238,5 @@ class SymmetricHeap:
         """At close: forget the peers' mappings (they unmap once unreferenced). This
         rank's own buffers stay valid: their arrays hold their mappings."""
         self._symmetric = ()
+        self._symmetric_plans = {}
 
