@@ -12,7 +12,8 @@ float32 torch tensor and numpy array, once through the fast path
 on the group), side by side in one run, and through a persistent request
 (``all_reduce_init``: ``start(); wait()``) beside the ``async_op=True`` call it replaces in
 DDP's buckets: both hand the round to the group's thread (a wait that finds a persistent
-round still queued runs it itself). The last column subtracts the cost of calling an
+round still queued runs it itself); and the request's ``run()``, which runs the round on
+the calling thread as the fast path runs a blocking call. The last column subtracts the cost of calling an
 empty Python method (the floor any Python API pays).
 """
 
@@ -114,6 +115,8 @@ def run(iters: int, repeats: int) -> list[dict]:
             req.wait()
         rows.append({"op": "all_reduce_init start+wait", "tensor": kind, "path": "persistent"})
         cases.append((persistent, True))
+        rows.append({"op": "all_reduce_init run()", "tensor": kind, "path": "persistent"})
+        cases.append((req.run, True))
     rows.append({"op": "empty method call", "tensor": "-", "path": "-"})
     cases.append((lambda: empty.call(None), True))
     times = _least_per_call(pg, cases, iters, repeats)

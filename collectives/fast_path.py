@@ -159,6 +159,8 @@ class FastPath:
             return False
         if self._closed:
             raise CollectiveError(f"{self._where(op)}: the group is closed")
+        # What _run_numbered does, inline: calling it costs 0.2 us of this microsecond
+        # (base_overhead.py: numpy all_reduce 0.59 -> 0.78 us).
         seq = self._seq
         self._seq = seq + 1
         recorder = self._recorder
@@ -173,6 +175,27 @@ class FastPath:
             raise
         recorder.append((seq, op, shape, dtype, root, reduce_op, -1, t0, _time(), "ok"))
         return True
+
+    def _run_numbered(self, op: str, hook: Callable[..., Any], args: tuple, shape: Any,
+                      dtype: Any, root: int, reduce_op: Any) -> None:
+        """``hook(*args, seq)`` on this thread under the next sequence number, recorded
+        as one tuple after it returns: a persistent request's ``run()`` (whose round is
+        checked and bound once), as ``_fast_collective`` runs a blocking call. The
+        caller checked that the group is open, that ``_fast`` holds and that nothing
+        is queued."""
+        seq = self._seq
+        self._seq = seq + 1
+        recorder = self._recorder
+        if recorder is None:
+            hook(*args, seq)
+            return
+        t0 = _time()
+        try:
+            hook(*args, seq)
+        except BaseException as exc:
+            self._fast_failed((seq, op, shape, dtype, root, reduce_op, -1, t0), exc)
+            raise
+        recorder.append((seq, op, shape, dtype, root, reduce_op, -1, t0, _time(), "ok"))
 
     def _fast_p2p(self, op: str, hook: Callable[[np.ndarray, int, int], None],
                   tensor: Any, peer: Any, tag: Any) -> bool:

@@ -170,6 +170,9 @@ class PersistentRequest:
             self._bind(native=False)
             return
         for (name, obj, _), before in zip(self._args, self._addresses):
+            if not isinstance(obj, np.ndarray) and obj.data_ptr() == before[0] \
+                    and obj.dtype is before[2] and obj.shape == before[1]:
+                continue  # (the usual case, checked without building a tuple)
             now = _address(obj)
             if now != before:
                 if now[1:] != before[1:]:
@@ -206,8 +209,13 @@ class PersistentRequest:
         blocking collective instead (after the group's queued async ops, in issue order).
         """
         self._ready_to_start("run")
-        self._group._dispatch_collective(self._op, self._call, self._hosts, False,
-                                         self._shape, self._dtype, -1, self._reduce_op)
+        g = self._group
+        if g._fast and self._zero_copy and not g._pending:  # as a blocking call's fast path
+            g._run_numbered(self._op, self._call, (), self._shape, self._dtype, -1,
+                            self._reduce_op)
+            return
+        g._dispatch_collective(self._op, self._call, self._hosts, False,
+                               self._shape, self._dtype, -1, self._reduce_op)
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block until the round finished; re-raise its error. ``timeout`` (seconds)

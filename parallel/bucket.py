@@ -130,6 +130,7 @@ class Bucket:
         # had every gradient leaves them: the average of ones): launch() then has nothing
         # to write, the common case, which saves building a tensor per pass.
         self._flags_are_ones = False
+        self._complete = False   # launch(): whether this rank had every gradient
         self.work: Any = None
         # The average of `flat`, checked once and started every pass (a persistent
         # collective, see collectives.persistent); made here, where every rank makes
@@ -205,7 +206,8 @@ class Bucket:
         if self._pending:
             raise RuntimeError(f"DDP: bucket {self.index} launched with {self._pending} "
                                f"gradients missing")
-        if all(self._has_grad):
+        self._complete = all(self._has_grad)
+        if self._complete:
             if not self._flags_are_ones:
                 self._flags.fill_(1)
                 self._flags_are_ones = True
@@ -236,13 +238,16 @@ class Bucket:
             if work is not None:
                 work.wait()
             flags = self._flags.tolist()
-            ones = all(f == 1 for f in flags)
-            for slot, p in enumerate(self.params):
-                if flags[slot] > 0:
-                    if not self._aliases(slot):
-                        p.grad = self.views[slot]
-                else:
-                    p.grad = None
+            ones = flags.count(1.0) == len(flags)
+            # Where every rank had every gradient and so did this one, each .grad is its
+            # view already (adopt made it so): nothing to hand out.
+            if not (ones and self._complete):
+                for slot, p in enumerate(self.params):
+                    if flags[slot] > 0:
+                        if not self._aliases(slot):
+                            p.grad = self.views[slot]
+                    else:
+                        p.grad = None
         finally:
             self.reset()
             self._flags_are_ones = ones  # what the round left in `flat`'s flags
@@ -260,4 +265,5 @@ class Bucket:
         self._has_grad = [False] * len(self.params)
         self._pending = len(self.params)
         self._flags_are_ones = False  # (finish() sets it from the round's result)
+        self._complete = False
         self.work = None

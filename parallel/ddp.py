@@ -19,9 +19,10 @@ Accelerating Data Parallel Training", VLDB 2020, arXiv 2006.15704):
    roughly the order in which backward produces their gradients. Each parameter's
    ``.grad`` is a view into its bucket's flat buffer, so the optimizer, the autograd engine
    and the all-reduce all work on the same memory.
-2. ``forward`` passes the module's outputs through an identity autograd function; its
-   backward, the first thing to run in the backward pass, queues a callback that the
-   autograd engine runs once the whole pass has finished.
+2. ``forward`` puts a hook on the module's outputs; backward reaches it before any
+   gradient of the module's parameters, and it queues a callback that the autograd
+   engine runs once the whole pass has finished (also on a rank where no parameter
+   receives a gradient, which then still launches every bucket).
 3. A post-accumulate-grad hook on each parameter tells its bucket that the gradient is
    final. When a bucket's last gradient lands it starts its persistent
    ``all_reduce_init(flat, AVG)`` request (made once, with the bucket; see
@@ -126,16 +127,15 @@ class DistributedDataParallel(nn.Module):
                               keys=[(p.dtype, p.device) for p in order])
         self._buckets = [Bucket(i, [order[j] for j in indices], group)
                          for i, indices in enumerate(plan)]
+        self._require_sync = True
+        # The running backward pass, in a plain object: nn.Module.__setattr__ costs a
+        # microsecond or two per assignment, and a pass makes several.
+        self._pass = _PassState()
         self._hooks = []
         for b, bucket in enumerate(self._buckets):
             for slot, p in enumerate(bucket.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(
                     self._make_hook(b, slot)))
-
-        self._require_sync = True
-        self._pass_sync: bool | None = None  # this backward pass: None = none running
-        self._pass_task: int | None = None
-        self._next_launch = 0
 
     # ------------------------------------------------------------------ construction
     @torch.no_grad()
@@ -169,8 +169,21 @@ class DistributedDataParallel(nn.Module):
         _collect(out, leaves)
         if not leaves:
             return out
-        marked = iter(_BackwardEntry.apply(self, self._require_sync, *leaves))
-        return _replace(out, marked)
+        # A hook on each output tells us when backward reaches it, before any gradient
+        # of the module's parameters (a hook costs a third of an autograd Function
+        # there). A leaf (a parameter returned as it is) gets a fresh view to carry the
+        # hook, so that hooks do not pile up on a tensor that outlives this forward.
+        sync, begin = self._require_sync, self._begin_backward
+
+        def on_backward(grad: torch.Tensor) -> None:
+            begin(sync)
+
+        marked = [t if t.grad_fn is not None else t.view_as(t) for t in leaves]
+        for t in marked:
+            t.register_hook(on_backward)
+        if all(m is t for m, t in zip(marked, leaves)):
+            return out
+        return _replace(out, iter(marked))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -198,55 +211,61 @@ class DistributedDataParallel(nn.Module):
         function, or else the first gradient hook): decide whether the pass synchronises,
         and have the autograd engine call :meth:`_end_backward` when the pass is over."""
         task = _graph_task_id()
-        if self._pass_sync is not None:
-            if task == self._pass_task:
+        state = self._pass
+        if state.sync is not None:
+            if task == state.task:
                 return  # a second output of the pass that already began
             # The pass we were in ended without its callback: backward raised midway.
-            self._pass_sync = None
+            state.sync = None
             for bucket in self._buckets:
                 bucket.reset()
-            if self._next_launch:
-                self._next_launch = 0
+            if state.next_launch:
+                state.next_launch = 0
                 raise RuntimeError(
                     f"{self._where}: the previous backward pass raised after some buckets "
                     f"were sent; the ranks are out of step. Recreate the process group and "
                     f"the DDP module.")
-        self._pass_sync, self._pass_task = sync, task
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        state.sync, state.task = sync, task
+        _queue_callback(self._end_backward)
 
     def _make_hook(self, b: int, slot: int):
+        state, bucket = self._pass, self._buckets[b]
+        view = bucket.views[slot]
+
         def hook(param: torch.Tensor) -> None:
-            if self._pass_sync is None or self._pass_task != _graph_task_id():
+            if state.sync is None or state.task != _graph_task_id():
                 self._begin_backward(self._require_sync)  # no output of ours in this pass
-            bucket = self._buckets[b]
-            bucket.adopt(slot)
-            if self._pass_sync and bucket.mark_ready(slot):
+            if param.grad is not view:  # (else adopt has nothing to do)
+                bucket.adopt(slot)
+            if state.sync and bucket.mark_ready(slot):
                 self._launch_ready()
         return hook
 
     def _launch_ready(self) -> None:
         """Launch the full buckets at the head of the line, in bucket order; not the last
         bucket, which the end of backward runs and waits for at once."""
-        while (self._next_launch < len(self._buckets) - 1
-               and self._buckets[self._next_launch].full):
-            self._buckets[self._next_launch].launch()
-            self._next_launch += 1
+        state = self._pass
+        while (state.next_launch < len(self._buckets) - 1
+               and self._buckets[state.next_launch].full):
+            self._buckets[state.next_launch].launch()
+            state.next_launch += 1
 
     def _end_backward(self) -> None:
-        sync, self._pass_sync = self._pass_sync, None
+        state = self._pass
+        sync, state.sync = state.sync, None
         if not sync:
             return
         error = None
         try:
             last = self._buckets[-1]
-            for bucket in self._buckets[self._next_launch:]:
+            for bucket in self._buckets[state.next_launch:]:
                 bucket.fill_missing()
                 bucket.launch(blocking=bucket is last)
         except BaseException as exc:
             error = exc  # (a failed round: no bucket hands out what it holds)
             raise
         finally:
-            self._next_launch = 0
+            state.next_launch = 0
             for bucket in self._buckets:
                 if error is None:
                     try:
@@ -274,26 +293,22 @@ class DistributedDataParallel(nn.Module):
 DDP = DistributedDataParallel
 
 
-class _BackwardEntry(torch.autograd.Function):
-    """Identity on the module's outputs. Its backward runs before any gradient of the
-    module's parameters, and registers the end-of-backward callback even on a rank where
-    no parameter receives a gradient (which then still launches every bucket)."""
+class _PassState:
+    """The backward pass a DDP module is in: ``sync`` (None while none runs; else whether
+    it averages), the autograd ``task`` it belongs to, and the next bucket to launch."""
 
-    @staticmethod
-    def forward(ctx: Any, ddp: DistributedDataParallel, sync: bool, *tensors: torch.Tensor):
-        ctx.ddp, ctx.sync = ddp, sync
-        ctx.set_materialize_grads(False)
-        return tuple(t.view_as(t) for t in tensors)
+    __slots__ = ("sync", "task", "next_launch")
 
-    @staticmethod
-    def backward(ctx: Any, *grads: Any):
-        ctx.ddp._begin_backward(ctx.sync)
-        return (None, None, *grads)
+    def __init__(self) -> None:
+        self.sync: bool | None = None
+        self.task: int | None = None
+        self.next_launch = 0
 
 
 #: An id of the running backward pass (None where this torch cannot tell); called in every
 #: gradient hook, so looked up once.
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: None)
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 
 def _collect(obj: Any, out: list) -> None:

@@ -410,6 +410,31 @@ def test_rank_without_any_gradient_does_not_hang():
     assert torch.equal(g[0], g[1]) and torch.equal(g[0], torch.full((4, 4), 1.0))
 
 
+def test_a_parameter_returned_as_output_syncs_without_piling_up_hooks():
+    """The output hook that starts a synchronised backward sits on a fresh view where the
+    output is a leaf (here the module's own parameter), not on the parameter itself."""
+
+    class Param(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(3))
+
+        def forward(self):
+            return self.w
+
+    def body(pg):
+        ddp = DDP(Param(), pg)
+        for _ in range(3):
+            out = ddp()
+            assert out is not ddp.module.w and out.grad_fn is not None
+            (out * (pg.rank + 1)).sum().backward()   # no zero_grad: the averages add up
+        return ddp.module.w.grad.clone(), ddp.module.w._backward_hooks
+
+    res = run_threads(body, 2, timeout=30)
+    assert all(torch.equal(g, torch.full((3,), 4.5)) for g, _ in res)  # 3 x avg(1, 2)
+    assert all(not hooks for _, hooks in res)
+
+
 def test_no_sync_sends_nothing():
     def body(pg):
         recorder = _Recorder(pg)
