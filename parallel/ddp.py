@@ -80,7 +80,9 @@ class DistributedDataParallel(nn.Module):
         bucket_cap_mb: the size of a gradient bucket in MiB. Smaller buckets start
             communicating earlier in backward; larger ones send fewer messages.
         broadcast_buffers: broadcast the module's buffers (e.g. BatchNorm statistics) from
-            rank 0 before each forward in training mode, so that replicas stay identical.
+            rank 0 before each forward in training mode, so that replicas stay identical:
+            the buffers its modules hold at construction, as torch's DDP, looked up by
+            name at each forward (so a buffer assigned anew is the one sent).
 
     Construction broadcasts every parameter and buffer from rank 0, so replicas start
     identical whatever seeds the ranks used. Parameters with ``requires_grad=False`` are
@@ -119,6 +121,10 @@ class DistributedDataParallel(nn.Module):
                                 f"real parameters are supported")
         check_same_replicas(group, named, self._where)
         self._broadcast_state([p for _, p in named] + list(module.buffers()))
+        # (module, name) of every buffer, found once: walking the module tree costs
+        # microseconds per forward, and most models have no buffer to send at all.
+        self._buffer_slots = [(m, name) for m in module.modules()
+                              for name, b in m._buffers.items() if b is not None]
 
         trainable = [p for _, p in named if p.requires_grad]
         order = trainable[::-1]  # backward produces the last layers' gradients first
@@ -158,10 +164,11 @@ class DistributedDataParallel(nn.Module):
 
     # ----------------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.broadcast_buffers and self.training and self.group.size > 1:
-            buffers = list(self.module.buffers())
-            if buffers:
-                self._broadcast_state(buffers)
+        if self._buffer_slots and self.broadcast_buffers and self.training \
+                and self.group.size > 1:
+            buffers = {id(b): b for b in (m._buffers.get(name) for m, name in
+                                          self._buffer_slots) if b is not None}
+            self._broadcast_state(list(buffers.values()))
         out = self.module(*args, **kwargs)
         if not torch.is_grad_enabled() or not self._buckets:
             return out

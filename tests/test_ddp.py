@@ -435,6 +435,29 @@ def test_a_parameter_returned_as_output_syncs_without_piling_up_hooks():
     assert all(not hooks for _, hooks in res)
 
 
+def test_a_buffer_assigned_anew_is_the_one_broadcast():
+    """Buffers are found once, at construction, by module and name: a tensor assigned to
+    the name later (not updated in place) is what the next forward sends."""
+
+    class Counter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.register_buffer("count", torch.zeros(2))
+
+        def forward(self, x):
+            return self.lin(x) + self.count
+
+    def body(pg):
+        ddp = DDP(Counter(), pg)
+        ddp.module.count = torch.full((2,), 10.0 + pg.rank)   # a new tensor, by rank
+        ddp(torch.ones(1, 2)).sum().backward()
+        return ddp.module.count.clone()
+
+    res = run_threads(body, 2, timeout=30)
+    assert all(torch.equal(c, torch.full((2,), 10.0)) for c in res)
+
+
 def test_no_sync_sends_nothing():
     def body(pg):
         recorder = _Recorder(pg)
