@@ -46,7 +46,11 @@ _NOT_TESTED_HERE = {"nccl": "needs CUDA tensors; this suite passes host tensors"
 #: ``shm-py`` is shm on its Python path (the compiled core turned off), so that both of
 #: shm's paths pass the suite; in the default run at 2 ranks (every op, ~25 s), at 1, 3
 #: and 4 in the slow set (a world of one never uses the core anyway).
-VARIANTS = {"shm-py": ("shm", {"COLLECTIVES_SHM_NATIVE": "0"})}
+#: ``shm`` itself votes for its single-copy all_reduce whatever the kernel's speed, so that
+#: the path is under test on every machine (left to measure, a rank votes against it
+#: where the kernel copies slowly: backends/shm/cma.py).
+VARIANTS = {"shm-py": ("shm", {"COLLECTIVES_SHM_NATIVE": "0"}),
+            "shm": ("shm", {"COLLECTIVES_SHM_CMA": "1"})}
 _SLOW_VARIANT_SIZES = {"shm-py": (1, 3, 4)}
 
 _close_problems: list[str] = []

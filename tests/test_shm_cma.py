@@ -1,9 +1,9 @@
 """The single-copy all_reduce of the shm backend (backends/shm/cma.py): the ranks read
 each other's arrays with process_vm_readv. It must give bitwise what the staged,
 pipelined path gives (every dtype and operator, uneven pieces, 2 and 3 ranks), and the
-ranks must always agree on the path: a rank that votes against it (``COLLECTIVES_SHM_CMA=0``)
-or that cannot read its peers turns it off for the whole group, which still computes
-the right result.
+ranks must always agree on the path: a rank that votes against it (``COLLECTIVES_SHM_CMA=0``,
+or a kernel whose copy between processes it measured as too slow) or that cannot read
+its peers turns it off for the whole group, which still computes the right result.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import collectives
 from collectives import ReduceOp
 
-from backends.shm import native
+from backends.shm import cma, native
 from backends.shm.cma import CMA_ENV
 
 from test_shm_native import FLOATS, INTS, _dtype, _ops, _same, _values
@@ -31,11 +31,14 @@ def _staged_group(pg):
     g = pg.new_group(list(range(pg.size)))
     os.environ[CMA_ENV] = "0"
     g.all_reduce(np.zeros(pg._cma_bytes // 4, np.float32))
-    del os.environ[CMA_ENV]
+    os.environ[CMA_ENV] = "1"
     return g
 
 
 def _agree_job() -> dict:
+    # Voting for the path whatever the kernel's speed here (unset, a rank votes for it
+    # only where the kernel copies about as fast as memcpy: cma.cma_pays_off).
+    os.environ[CMA_ENV] = "1"
     pg = collectives.init_process_group()
     me, n = pg.rank, pg.size
     staged = _staged_group(pg)
@@ -62,8 +65,19 @@ def _agree_job() -> dict:
     vote = pg.new_group(list(range(n)))
     a = np.full(pg._cma_bytes // 4 + 3, me + 1.0, np.float32)
     vote.all_reduce(a)
-    os.environ.pop(CMA_ENV, None)
+    os.environ[CMA_ENV] = "1"
     voted = (vote._cma, bool(np.all(a == n * (n + 1) / 2)))
+
+    # Left to measure (the variable unset), one rank finds the kernel's copy too slow:
+    # the whole group stages, and is right.
+    del os.environ[CMA_ENV]
+    cma._pays_off = me != 0
+    slow = pg.new_group(list(range(n)))
+    c = np.full(pg._cma_bytes // 4 + 5, me + 1.0, np.float32)
+    slow.all_reduce(c)
+    cma._pays_off = None
+    os.environ[CMA_ENV] = "1"
+    measured = (slow._cma, bool(np.all(c == n * (n + 1) / 2)))
 
     # One rank cannot read its peers (the kernel says EPERM): the probe turns it off.
     probe = pg.new_group(list(range(n)))
@@ -82,8 +96,8 @@ def _agree_job() -> dict:
     probed = (probe._cma, bool(np.all(b == n * (n + 1) / 2)))
 
     out = {"bad": bad, "digest": digest, "cma": (pg._cma, staged._cma), "voted": voted,
-           "probed": probed}
-    for g in (probe, vote, staged):
+           "probed": probed, "measured": measured}
+    for g in (probe, vote, staged, slow):
         g.close()
     pg.close()
     return out
@@ -99,8 +113,36 @@ def test_single_copy_all_reduce_is_bitwise_the_staged_one_and_agreed(nproc):
         assert res["cma"][1] is False, (r, res["cma"])          # the staged group
         assert res["voted"] == (False, True), (r, res["voted"])
         assert res["probed"] == (False, True), (r, res["probed"])
+        assert res["measured"] == (False, True), (r, res["measured"])
     assert len({res["digest"] for res in results}) == 1
     assert len({res["cma"] for res in results}) == 1           # the world: one decision
     if results[0]["cma"][0] is not True:   # every rank could, but the probe failed
         pytest.skip("this kernel forbids process_vm_readv between the ranks (ptrace "
                     "rules or seccomp): only the staged path ran; the agreement held")
+
+
+class _Kernel:
+    """A stand-in for the core's ``cma_read``: a copy of ``addr`` at memcpy speed, or the
+    same made slow, as a slow kernel's would be."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+
+    def cma_read(self, out, pid, addr):
+        import ctypes
+        import time
+        ctypes.memmove(out.ctypes.data, addr, out.nbytes)
+        if self.delay:
+            time.sleep(self.delay)
+        return 0
+
+
+def test_the_speed_check_tells_a_slow_kernel_copy_from_a_fast_one():
+    assert cma.cma_cost_ratio(_Kernel(0.005), rounds=2) > 2 * cma.CMA_MAX_COST
+    assert cma.cma_cost_ratio(_Kernel(0.0), rounds=5) < 2.0   # memcpy against memcpy
+
+
+@needs_core
+def test_the_speed_check_measures_the_real_kernel_copy():
+    ratio = cma.cma_cost_ratio(native.native_module())
+    assert 0.0 < ratio < float("inf")

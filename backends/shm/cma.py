@@ -10,8 +10,9 @@ one PID namespace) the all_reduce of ``a`` reads the peers' arrays where they li
 1. phase 1 (needed every call anyway: the addresses change, and a peer must have entered
    the call before its array may be read): every rank publishes the address of ``a`` and
    whether it can take this path
-   (the compiled core loaded, ``COLLECTIVES_SHM_CMA`` not ``0``, every peer's pid
-   visible); all ranks read the same words, so they all decide alike. The first time
+   (the compiled core loaded, every peer's pid visible, and the kernel's copy fast
+   enough here: :func:`cma_pays_off`, or ``COLLECTIVES_SHM_CMA`` ``1``, not ``0``);
+   all ranks read the same words, so they all decide alike. The first time
    all can, each also reads a word of every peer's array and publishes whether that
    worked (phase 2): a kernel that forbids it turns the path off for the group, on
    every rank, and that call and every later one take the pipelined path.
@@ -53,10 +54,56 @@ from .ops import _DTYPE_CODE, _REDOP_BY_ID, OP_ALL_REDUCE, piece_bounds
 #: from 6 to 16 MiB: the 3 MiB line there (this one times size // 2) is not tuned for
 #: 4 ranks on 2 cores, only moved with the 2-rank one.
 CMA_ALL_REDUCE_BYTES = 3 << 19
-#: ``0`` turns the single-copy path off on this rank (and so for its groups).
+#: ``0``: this rank votes against the single-copy path (and so turns it off for its
+#: groups); ``1``: for it, whatever the kernel's speed; unset: for it where the kernel
+#: copies fast enough (:func:`cma_pays_off`).
 CMA_ENV = "COLLECTIVES_SHM_CMA"
+#: The kernel's copy between processes may cost at most this many times a user-space copy
+#: of the same bytes for the single copy to pay. Per rank and message M (2 ranks), staging
+#: moves about 4 M in user space (copy in M/2, reduce: read M, write M, copy out M/2); the
+#: single copy about 1.5 M in user space (reduce M/2 + M/2 into M/2) and 2 M through the
+#: kernel (two reads of M/2): 1.5 + 2k < 4 where k is the kernel's cost per byte against
+#: memcpy's.
+CMA_MAX_COST = 1.25
+#: Bytes copied by each of the measurements of :func:`cma_pays_off`.
+_PROBE_BYTES = 1 << 20
+
+_pays_off: "bool | None" = None
 #: Seconds a rank that found a peer's memory gone waits to see it die before it says so.
 _EXIT_GRACE = 2.0
+
+
+def cma_cost_ratio(mod, nbytes: int = _PROBE_BYTES, rounds: int = 3) -> float:
+    """What a ``process_vm_readv`` of ``nbytes`` (this process's own memory, the path a
+    peer's takes through the kernel) costs against ``np.copyto`` of as many bytes: the
+    least of ``rounds`` timings each, after one of each to fault the pages in."""
+    src = np.ones(nbytes, np.uint8)
+    dst = np.empty_like(src)
+    pid, addr = os.getpid(), src.ctypes.data
+    if mod.cma_read(dst, pid, addr) != 0:
+        return float("inf")
+    np.copyto(dst, src)
+    kernel = user = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        mod.cma_read(dst, pid, addr)
+        t1 = time.perf_counter()
+        np.copyto(dst, src)
+        t2 = time.perf_counter()
+        kernel, user = min(kernel, t1 - t0), min(user, t2 - t1)
+    return kernel / max(user, 1e-9)
+
+
+def cma_pays_off(mod) -> bool:
+    """Whether this process votes for the single-copy path on speed: measured once per
+    process (about a millisecond), at its first all_reduce large enough to ask. On the
+    2-core VM of the README's figures (Linux 6.18, 4 KiB pages) the kernel's copy costs
+    3.5 to 5 times memcpy's and staging won at every size and world size; on the
+    machine the path was built on it won by 10-25% from 2 MiB."""
+    global _pays_off
+    if _pays_off is None:
+        _pays_off = cma_cost_ratio(mod) <= CMA_MAX_COST
+    return _pays_off
 
 
 def cma_min_bytes(size: int) -> int:
@@ -76,9 +123,11 @@ class CmaReduce:
 
     def _cma_able(self) -> bool:
         """Whether this rank can read its peers' memory (its vote in phase 1)."""
-        return (self._native is not None and sys.platform.startswith("linux")
-                and os.environ.get(CMA_ENV, "1").strip() != "0"
-                and all(self._pid_checkable[r] for r in self._peers))
+        if not (self._native is not None and sys.platform.startswith("linux")
+                and all(self._pid_checkable[r] for r in self._peers)):
+            return False
+        setting = os.environ.get(CMA_ENV, "").strip()
+        return setting != "0" and (setting == "1" or cma_pays_off(self._native_module))
 
     def _cma_all_reduce(self, a: np.ndarray, op: ReduceOp, seq: int) -> bool:
         """all_reduce of the flat ``a`` through the peers' memory; False (having agreed

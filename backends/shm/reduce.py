@@ -182,22 +182,30 @@ class ReduceOps:
                 k0, k1 = bounds[j - 1][me]
                 if k1 > k0:
                     prev = views[b ^ 1]
-                    srcs = [a[lo + k0:lo + k1] if r == me else prev[r][k0:k1]
-                            for r in range(n)]
-                    self._rank_order_reduce(slot_in[C:C + (k1 - k0)], srcs, op)
+                    mine = a[lo + k0:lo + k1]
+                    srcs = [mine if r == me else prev[r][k0:k1] for r in range(n)]
+                    published = slot_in[C:C + (k1 - k0)]
+                    if gets_result:   # into my array too: step 3 skips my own piece
+                        self._rank_order_reduce(mine, srcs, op, (published,))
+                    else:
+                        self._rank_order_reduce(published, srcs, op)
             if j >= 2 and gets_result:             # 3. copy out chunk j-2
                 self._copy_out(a, views[b ^ 1], (j - 2) * C, C, bounds[j - 2])
             self._exchange(q)
         if gets_result:                            # chunk K-1, from the last bank
             self._copy_out(a, views[q & 1], (K - 1) * C, C, bounds[K - 1])
 
-    def _rank_order_reduce(self, out: np.ndarray, srcs: list, op: ReduceOp) -> None:
-        """``out = srcs[0] (op) srcs[1] (op) ...`` in rank order, AVG divided once: the
-        compiled core's ``combine`` (GIL released), else numpy's kernels. ``out`` may be
-        one of ``srcs`` (the in-place paths reduce a piece into its owner's array)."""
+    def _rank_order_reduce(self, out: np.ndarray, srcs: list, op: ReduceOp,
+                           copies: tuple = ()) -> None:
+        """``out = srcs[0] (op) srcs[1] (op) ...`` in rank order, AVG divided once, and
+        the result also into each of ``copies``: the compiled core's ``combine`` (GIL
+        released; the copies made piece by piece while the result is in cache), else
+        numpy's kernels. ``out`` may be one of ``srcs`` (the in-place paths reduce a
+        piece into its owner's array)."""
         combine = self._native_combine
         if combine is not None:  # accumulates block by block: any source may be `out`
-            combine(out, srcs, _DTYPE_CODE.get(out.dtype, 0), _REDOP_BY_ID[id(op)], len(srcs))
+            combine(out, srcs, _DTYPE_CODE.get(out.dtype, 0), _REDOP_BY_ID[id(op)], len(srcs),
+                    copies)
             return
         kernel = _KERNEL_BY_ID[id(op)]
         if any(s is out for s in srcs[2:]):  # numpy would overwrite it before reading it
@@ -206,10 +214,13 @@ class ReduceOps:
         for s in srcs[2:]:
             kernel(out, s, out=out)
         finish(op, out, len(srcs))
+        for view in copies:
+            np.copyto(view, out)
 
     def _copy_out(self, a: np.ndarray, bank: list, lo: int, C: int, bounds: list) -> None:
-        """Everybody's reduced piece of the chunk at ``lo`` (the output parts of ``bank``,
-        piece k at ``bounds[k]``) into ``a``."""
+        """The peers' reduced pieces of the chunk at ``lo`` (the output parts of ``bank``,
+        piece k at ``bounds[k]``) into ``a`` (this rank reduced its own into ``a``)."""
+        me = self.rank
         for r, (k0, k1) in enumerate(bounds):
-            if k1 > k0:
+            if k1 > k0 and r != me:
                 a[lo + k0:lo + k1] = bank[r][C:C + (k1 - k0)]

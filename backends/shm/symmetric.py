@@ -25,8 +25,9 @@ The all_reduce (past the one-phase size) of an array lying in buffer ``i`` at of
    cost one phase.
 2. reduce and push: rank k owns piece k; it reduces piece k of every rank's buffer, in
    rank order, and writes the result into piece k of its own buffer and of every
-   peer's (the core's ``combine`` with copies, GIL released, piece by piece while the
-   result is in cache; plain loads and stores through the peers' mappings). Only rank
+   peer's (``ReduceOps._rank_order_reduce`` with copies: the core's ``combine``, GIL
+   released, piece by piece while the result is in cache; plain loads and stores
+   through the peers' mappings). Only rank
    k reads or writes piece k of any buffer, so nobody needs to wait for anybody here.
 3. phase: every piece has been written everywhere, and nobody reads any buffer any
    more, so each rank may return and reuse its array.
@@ -50,7 +51,7 @@ import numpy as np
 from collectives.reduce_op import ReduceOp
 from collectives.shm_names import SHM_DIR, segment_name
 
-from .ops import _DTYPE_CODE, _REDOP_BY_ID, OP_ALL_REDUCE, piece_bounds
+from .ops import OP_ALL_REDUCE, piece_bounds
 
 
 #: Set in the root field of the vote phase's fingerprint (an all_reduce has no root),
@@ -223,14 +224,7 @@ class SymmetricHeap:
                                 (self._sv(bank, r, np.uint64) for r in self._peers)):
             return False
         if piece is not None:
-            combine = self._native_combine
-            if combine is not None:
-                combine(piece, srcs, _DTYPE_CODE.get(piece.dtype, 0), _REDOP_BY_ID[id(op)],
-                        self.size, copies)
-            else:
-                self._rank_order_reduce(piece, srcs, op)
-                for view in copies:
-                    np.copyto(view, piece)
+            self._rank_order_reduce(piece, srcs, op, copies)
         self._exchange(self._enter())
         return True
 
