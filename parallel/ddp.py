@@ -28,8 +28,9 @@ Accelerating Data Parallel Training", VLDB 2020, arXiv 2006.15704):
    ``all_reduce_init(flat, AVG)`` request (made once, with the bucket; see
    ``collectives.persistent``), while backward goes on with earlier layers. The last
    bucket is the exception: when it fills, every parameter's gradient has landed, so
-   the end-of-backward callback runs its round on the spot (``request.run()``), which
-   saves handing it to the group's thread and back. (Where backward goes on past the
+   the end-of-backward callback takes its gradients then (their hooks only start a
+   pass) and runs its round on the spot (``request.run()``), which saves handing it to
+   the group's thread and back. (Where backward goes on past the
    module's parameters, e.g. into inputs that require grad or into another module, that
    rest of the pass no longer overlaps the last bucket's round.)
    Buckets are launched strictly in bucket order: a full bucket waits for the ones before
@@ -238,6 +239,14 @@ class DistributedDataParallel(nn.Module):
     def _make_hook(self, b: int, slot: int):
         state, bucket = self._pass, self._buckets[b]
         view = bucket.views[slot]
+        if b == len(self._buckets) - 1:
+            # The last bucket is launched by the end-of-backward callback whatever its
+            # hooks saw, and fill_missing() adopts every gradient then: its parameters'
+            # hooks only start a pass that no output of ours started.
+            def begin_only(param: torch.Tensor) -> None:
+                if state.sync is None or state.task != _graph_task_id():
+                    self._begin_backward(self._require_sync)
+            return begin_only
 
         def hook(param: torch.Tensor) -> None:
             if state.sync is None or state.task != _graph_task_id():
