@@ -13,7 +13,9 @@ then ``--steps`` timed steps; a run's time is its slowest rank's. Every case run
 ``--repeat`` times in fresh processes, the cases taking turns round by round (so that the
 machine's changing load hits them alike), and the median run is reported, as samples per
 second (steps x batch x ranks / time) and as the ratio to torch DDP at the same world size
-(above 1: ours trains faster). ``--threads`` compute threads per rank (default 1, so that N
+(above 1: ours trains faster); ``scaling`` is the median over rounds of each run's
+samples/s over the world size times the plain run's of the same round (scaling
+efficiency against one process, 1.0 ideal). ``--threads`` compute threads per rank (default 1, so that N
 ranks use N cores). ``plain`` is one process without any wrapper (``--no-plain`` leaves
 it out): the ceiling of one rank.
 
@@ -175,17 +177,28 @@ def main() -> int:
                      "samples_per_s": a.steps * a.batch_size * n / median,
                      "samples_per_s_runs": [a.steps * a.batch_size * n / s for s in runs]})
     torch_rate = {r["world_size"]: r["samples_per_s"] for r in rows if r["impl"] == "torch DDP"}
+    plain = next((r["samples_per_s_runs"] for r in rows if r["impl"] == "plain"), None)
     for r in rows:
         if r["world_size"] in torch_rate and r["impl"] != "plain":
             r["ratio_to_torch_ddp"] = r["samples_per_s"] / torch_rate[r["world_size"]]
+        if plain is not None and r["impl"] != "plain":
+            # Scaling efficiency against one process, round by round (each run beside
+            # the plain run of its own round, so that a slow spell of the machine hits
+            # both), then the median: n ranks' samples/s over n x one process's.
+            r["scaling_runs"] = [s / (r["world_size"] * p)
+                                 for s, p in zip(r["samples_per_s_runs"], plain)]
+            r["scaling"] = statistics.median(r["scaling_runs"])
 
     print(f"{'impl':<14}{'backend':<9}{'world':>6}{'ms/step':>10}{'samples/s':>12}"
-          f"{'vs torch DDP':>14}   samples/s of each run")
+          f"{'vs torch DDP':>14}{'scaling':>9}   samples/s of each run (scaling)")
     for r in rows:
-        ratio = r.get("ratio_to_torch_ddp")
+        ratio, scaling = r.get("ratio_to_torch_ddp"), r.get("scaling")
+        runs = " ".join(f"{s:.0f}" for s in r["samples_per_s_runs"])
+        if scaling is not None:
+            runs += " (" + " ".join(f"{e:.2f}" for e in r["scaling_runs"]) + ")"
         print(f"{r['impl']:<14}{r['backend']:<9}{r['world_size']:>6}{r['ms_per_step']:>10.3f}"
-              f"{r['samples_per_s']:>12.1f}{'' if ratio is None else f'{ratio:.3f}':>14}   "
-              f"{' '.join(f'{s:.0f}' for s in r['samples_per_s_runs'])}")
+              f"{r['samples_per_s']:>12.1f}{'' if ratio is None else f'{ratio:.3f}':>14}"
+              f"{'' if scaling is None else f'{scaling:.3f}':>9}   {runs}")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
     return 0

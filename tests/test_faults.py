@@ -69,7 +69,8 @@ def _kill_params():
     """Every collective at 3 ranks, and all_reduce at 2 and 4, in the default run; the
     rest of the matrix is slow."""
     return [_param(backend, op, n, slow=n != 3 and op != "all_reduce")
-            for backend in SPAWNED_BACKENDS for n in (3, 2, 4) for op in tasks.COLLECTIVES]
+            for backend in SPAWNED_BACKENDS for n in (3, 2, 4) for op in tasks.COLLECTIVES] + [
+        _param("shm", "all_reduce_symmetric", n, slow=n == 4) for n in (2, 3, 4)]
 
 
 def _report(**fields) -> None:
@@ -110,8 +111,9 @@ def test_killed_rank_is_a_peer_error_naming_it(backend, op, n):
         assert out["type"] == "PeerError", f"rank {r}: {out}\nall ranks: {outcomes}"
         text = out["message"]
         assert out["peer"] == VICTIM, f"rank {r}: PeerError.peer={out['peer']}: {text}"
-        assert _prefix_ok(text, r, n, op), f"rank {r}: the message does not start with " \
-                                           f"'[rank {r}/{n}] {op}': {text}"
+        name = tasks.OP_NAMES.get(op, op)
+        assert _prefix_ok(text, r, n, name), f"rank {r}: the message does not start with " \
+                                             f"'[rank {r}/{n}] {name}': {text}"
         assert _names_rank(text, VICTIM), f"rank {r}: the dead rank is not named: {text}"
         assert out["after_s"] < DETECT_LIMIT, f"rank {r}: {out['after_s']:.1f} s: {text}"
         slowest = max(slowest, out["after_s"])
@@ -159,7 +161,7 @@ def _hang_params():
     for backend in (*SPAWNED_BACKENDS, "mpi"):
         for op in ("all_reduce", "all_gather", "barrier"):
             params.append(_param(backend, op, 3, slow=backend == "mpi" and op != "all_reduce"))
-    return params
+    return params + [_param("shm", "all_reduce_symmetric", 3)]
 
 
 @pytest.mark.parametrize("backend, op, n", _hang_params())
@@ -174,10 +176,11 @@ def test_sleeping_rank_is_a_timeout_naming_op_seq_and_rank(backend, op, n):
         assert isinstance(out, dict), f"rank {r}: {_describe(out)}"
         assert out["type"] == "CollectiveTimeout", f"rank {r}: {out}"
         text, seq = out["message"], out["expected_seq"]
-        assert (out["op"], out["seq"]) == (op, seq), \
-            f"rank {r}: op={out['op']!r} seq={out['seq']} (expected {op!r}, {seq}): {text}"
+        name = tasks.OP_NAMES.get(op, op)
+        assert (out["op"], out["seq"]) == (name, seq), \
+            f"rank {r}: op={out['op']!r} seq={out['seq']} (expected {name!r}, {seq}): {text}"
         assert out["missing"] == [VICTIM], f"rank {r}: missing={out['missing']}: {text}"
-        assert _prefix_ok(text, r, n, op), f"rank {r}: {text}"
+        assert _prefix_ok(text, r, n, name), f"rank {r}: {text}"
         assert f"seq {seq}" in text and _names_rank(text, VICTIM), \
             f"rank {r}: the text lacks 'seq {seq}' or 'rank {VICTIM}': {text}"
         assert HANG_TIMEOUT * 0.9 <= out["after_s"] < HANG_TIMEOUT + HANG_SLACK, \
@@ -195,7 +198,11 @@ MISMATCH_SIDES = {
     "shape": (r"\b(16|64)\b", r"\b(24|96)\b"),
     "dtype": (r"\bfloat32\b", r"\bint32\b"),
     "root": (r"\b(root|src)[ =]?0\b", r"\b(root|src)[ =]?1\b"),
+    "symmetric op": (r"\bSUM\b", r"\bMAX\b"),
 }
+#: Kinds only some backends have: shm's all_reduce in symmetric memory (elsewhere it is
+#: plain memory, and the "op" kinds cover it).
+MISMATCH_ONLY = {"symmetric op": ("shm",)}
 
 
 #: Which backends check every call: shm and zmq always (a fingerprint travels with every
@@ -212,6 +219,8 @@ def _mismatch_outcomes(backend: str) -> dict:
         results = {}
         with FaultWorld(backend, 3, timeout=10.0, env=env) as world:
             for kind in MISMATCH_SIDES:
+                if backend not in MISMATCH_ONLY.get(kind, (backend,)):
+                    continue
                 results[kind] = world.call(tasks.mismatch, kind, VICTIM, limit=30)
                 if not all(isinstance(o, dict) for o in results[kind]):
                     break  # the world is gone: the kinds after this one fail
@@ -220,7 +229,8 @@ def _mismatch_outcomes(backend: str) -> dict:
 
 
 def _mismatch_params():
-    return [_param(backend, kind) for backend in MISMATCH_DEBUG for kind in MISMATCH_SIDES]
+    return [_param(backend, kind) for backend in MISMATCH_DEBUG for kind in MISMATCH_SIDES
+            if backend in MISMATCH_ONLY.get(kind, (backend,))]
 
 
 @pytest.mark.parametrize("backend, kind", _mismatch_params())

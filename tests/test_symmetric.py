@@ -8,13 +8,17 @@ operators, sizes and offsets, blocking and persistent; that an array at differen
 offsets, or outside every buffer, takes the usual paths with the same results; that
 ranks asking for different sizes all get a ValueError and the group goes on; and that
 DDP's buckets live there. World 3 runs the Python path (``COLLECTIVES_SHM_NATIVE=0``).
-The base class's default (plain memory) runs in a thread world.
+Late ranks and waits longer than the core's own budget take the Python waits between the
+core's calls. The base class's default (plain memory) runs in a thread world. Its
+faults (a rank killed in it, one that never comes, ranks whose operators differ) are in
+test_faults.py (``all_reduce_symmetric``, ``symmetric op``).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import time
 import warnings
 
 import ml_dtypes
@@ -191,6 +195,30 @@ def test_all_reduce_in_symmetric_memory(nproc, native):
             assert f"rank(s) [{nproc - 1}] could not share" in fb["warnings"][0]
         else:
             assert fb["warnings"] == []
+
+
+def _late_job() -> list:
+    """Symmetric all_reduces where a rank comes late and the core gives up on every
+    first wait at once (``_wait_budget`` 0): Python waits the vote phase and the last one
+    out, and the core resumes after the vote."""
+    pg = collectives.init_process_group()
+    pg._wait_budget = 0.0
+    a = pg.alloc_symmetric(1 << 20).view(np.float32)
+    right = []
+    for i in range(12):
+        a[:] = pg.rank + i
+        if (i + pg.rank) % 3 == 0:
+            time.sleep(0.002 * (i % 4))
+        pg.all_reduce(a)
+        right.append(bool((a == sum(r + i for r in range(pg.size))).all()))
+    pg.close()
+    return right
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_late_ranks_and_waits_past_the_core_budget(nproc):
+    assert collectives.spawn(_late_job, nproc, backend="shm", timeout=30,
+                             join_timeout=120) == [[True] * 12] * nproc
 
 
 def _one_rank() -> tuple:

@@ -600,6 +600,102 @@ static int get_array(PyObject *o, Py_buffer *view, int writable, const char *wha
     return 0;
 }
 
+/* ---------------------------------------------------------------- reductions */
+/* The arrays of one rank-order reduction: `out`, k sources (out may be one of them) and
+ * c copies that receive the result too, piece by piece while it is in cache (the
+ * symmetric all_reduce's owner pushes its reduced piece into every peer's buffer, the
+ * pipelined one into its array and its slot). Held as buffers from reduction_get to
+ * reduction_release; reduction_run needs no GIL. */
+#define COPY_PIECE (16 << 10)
+#define REDUCTION_STACK 16
+
+typedef struct {
+    Py_buffer out, stack_views[REDUCTION_STACK], *views;  /* k sources, then c copies */
+    char *stack_ptrs[2 * REDUCTION_STACK], **ptrs;        /* k sources, then k shifted */
+    Py_ssize_t k, c, held;                                /* held: views acquired */
+} Reduction;
+
+static void reduction_release(Reduction *R) {
+    for (Py_ssize_t i = 0; i < R->held; i++) PyBuffer_Release(&R->views[i]);
+    PyBuffer_Release(&R->out);
+    if (R->views != R->stack_views) PyMem_Free(R->views);
+    if (R->ptrs != R->stack_ptrs) PyMem_Free(R->ptrs);
+}
+
+/* 0, or -1 with an exception set (and nothing held). `copies` may be None. */
+static int reduction_get(Reduction *R, PyObject *out, PyObject *srcs, PyObject *copies,
+                         const char *what) {
+    PyObject *seq = NULL, *cseq = NULL;
+    R->views = R->stack_views;
+    R->ptrs = R->stack_ptrs;
+    R->held = 0;
+    if (!(seq = PySequence_Fast(srcs, "shm native reduction: a sequence of arrays")))
+        return -1;
+    if (copies != Py_None &&
+        !(cseq = PySequence_Fast(copies, "shm native reduction: a sequence of copies"))) {
+        Py_DECREF(seq);
+        return -1;
+    }
+    R->k = PySequence_Fast_GET_SIZE(seq);
+    R->c = cseq ? PySequence_Fast_GET_SIZE(cseq) : 0;
+    if (R->k < 1) {
+        PyErr_Format(PyExc_ValueError, "shm native %s: no sources", what);
+        goto fail_seq;
+    }
+    if (R->k + R->c > REDUCTION_STACK) {
+        R->views = PyMem_Malloc(sizeof(Py_buffer) * (size_t)(R->k + R->c));
+        R->ptrs = PyMem_Malloc(sizeof(char *) * (size_t)(2 * R->k));
+        if (!R->views || !R->ptrs) { PyErr_NoMemory(); goto fail_alloc; }
+    }
+    if (get_array(out, &R->out, 1, what) < 0) goto fail_alloc;
+    for (Py_ssize_t i = 0; i < R->k + R->c; i++) {
+        int is_copy = i >= R->k;
+        PyObject *o = is_copy ? PySequence_Fast_GET_ITEM(cseq, i - R->k)
+                              : PySequence_Fast_GET_ITEM(seq, i);
+        if (get_array(o, &R->views[i], is_copy, what) < 0) goto fail_views;
+        R->held++;
+        if (R->views[i].len != R->out.len) {
+            PyErr_Format(PyExc_ValueError, "shm native %s: %s %zd has %zd bytes, out %zd",
+                         what, is_copy ? "copy" : "source", is_copy ? i - R->k : i,
+                         R->views[i].len, R->out.len);
+            goto fail_views;
+        }
+        if (!is_copy) R->ptrs[i] = R->views[i].buf;
+    }
+    Py_DECREF(seq);
+    Py_XDECREF(cseq);
+    return 0;
+fail_views:
+    reduction_release(R);
+    goto fail_seq;
+fail_alloc:
+    if (R->views != R->stack_views) PyMem_Free(R->views);
+    if (R->ptrs != R->stack_ptrs) PyMem_Free(R->ptrs);
+fail_seq:
+    Py_DECREF(seq);
+    Py_XDECREF(cseq);
+    return -1;
+}
+
+static void reduction_run(Reduction *R, int code, int op, int n) {
+    int itemsize = KERNELS[code].itemsize;
+    Py_ssize_t count = R->out.len / itemsize;
+    char *out = R->out.buf;
+    if (R->c == 0) {
+        KERNELS[code].fn(out, R->ptrs, (int)R->k, count, op, n);
+        return;
+    }
+    Py_ssize_t piece = COPY_PIECE / itemsize;
+    char **shifted = R->ptrs + R->k;
+    for (Py_ssize_t lo = 0; lo < count; lo += piece) {
+        Py_ssize_t m = count - lo < piece ? count - lo : piece, off = lo * itemsize;
+        for (Py_ssize_t i = 0; i < R->k; i++) shifted[i] = R->ptrs[i] + off;
+        KERNELS[code].fn(out + off, shifted, (int)R->k, m, op, n);
+        for (Py_ssize_t i = 0; i < R->c; i++)
+            memcpy((char *)R->views[R->k + i].buf + off, out + off, (size_t)(m * itemsize));
+    }
+}
+
 /* small_reduce(a, q, fp0, fp1, dtype, op, result, budget, published) -> status.
  * The one-phase all_reduce/reduce: unless `published`, copy `a` into this rank's slot
  * of bank q % 2, store the fingerprints and publish q; wait at most `budget` seconds;
@@ -650,6 +746,59 @@ static PyObject *G_small_reduce(Group *g, PyObject *const *args, Py_ssize_t narg
     }
     PyBuffer_Release(&a);
     return PyLong_FromLong(status);
+}
+
+/* sym_all_reduce(piece, sources, copies, q, vote_fp0, fp0, fp1, vote0, vote1, dtype, op,
+ * budget, resume) -> (status, phase): symmetric.py's all_reduce in one call. Unless
+ * `resume`: store the vote (vote0, vote1) in this rank's slot of bank q % 2 and the
+ * fingerprints (vote_fp0, fp1), publish q and wait at most `budget` seconds (phase 0 of
+ * the call: q). Once q is done: DECLINED unless every rank voted the same nonzero pair;
+ * else piece = sources in rank order (op), pushed into every copy, then publish q + 1
+ * with (fp0, fp1) and wait for it (phase 1). `piece` None: this rank owns nothing.
+ * BUDGET or PEER say which phase is still awaited: Python waits it out (exchange with
+ * `published`) and, for phase 0, calls again with `resume`. */
+#define DECLINED 4
+
+static PyObject *G_sym_all_reduce(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t q, vfp0, fp0, fp1, vote0, vote1;
+    int code, op, resume;
+    double budget;
+    NARGS("sym_all_reduce", 13);
+    if (arg_u64(args[3], &q) < 0 || arg_u64(args[4], &vfp0) < 0 || arg_u64(args[5], &fp0) < 0
+        || arg_u64(args[6], &fp1) < 0 || arg_u64(args[7], &vote0) < 0
+        || arg_u64(args[8], &vote1) < 0 || arg_int(args[9], &code) < 0
+        || arg_int(args[10], &op) < 0 || arg_double(args[11], &budget) < 0
+        || (resume = PyObject_IsTrue(args[12])) < 0)
+        return NULL;
+    if (check_kernel(code, op) < 0) return NULL;
+    int bank = (int)(q & 1), status;
+    if (!resume) {
+        uint64_t *mine = (uint64_t *)slot(g, bank, g->rank);
+        mine[0] = vote0;   /* published by arrive()'s release store */
+        mine[1] = vote1;
+        store_fp(g, q, vfp0, fp1);
+        arrive(g, q);
+        if ((status = wait_phase(g, q, budget)) != DONE) return Py_BuildValue("(ii)", status, 0);
+    }
+    if (!fingerprints_match(g, q, vfp0, fp1)) return Py_BuildValue("(ii)", MISMATCH, 0);
+    for (int r = 0; r < g->size; r++) {
+        const uint64_t *theirs = (const uint64_t *)slot(g, bank, r);
+        if (vote0 == 0 || theirs[0] != vote0 || theirs[1] != vote1)
+            return Py_BuildValue("(ii)", DECLINED, 0);
+    }
+    if (args[0] != Py_None) {
+        Reduction R;
+        if (reduction_get(&R, args[0], args[1], args[2], "sym_all_reduce") < 0) return NULL;
+        Py_BEGIN_ALLOW_THREADS
+        reduction_run(&R, code, op, g->size);
+        Py_END_ALLOW_THREADS
+        reduction_release(&R);
+    }
+    store_fp(g, q + 1, fp0, fp1);
+    arrive(g, q + 1);
+    status = wait_phase(g, q + 1, budget);
+    if (status == DONE && !fingerprints_match(g, q + 1, fp0, fp1)) status = MISMATCH;
+    return Py_BuildValue("(ii)", status, 1);
 }
 
 /* --------------------------------------------------------------- point to point */
@@ -898,6 +1047,9 @@ static PyMethodDef Group_methods[] = {
     {"small_reduce", (PyCFunction)(void (*)(void))G_small_reduce, METH_FASTCALL,
      "small_reduce(a, q, fp0, fp1, dtype, op, result, budget, published) -> status as "
      "exchange."},
+    {"sym_all_reduce", (PyCFunction)(void (*)(void))G_sym_all_reduce, METH_FASTCALL,
+     "sym_all_reduce(piece, sources, copies, q, vote_fp0, fp0, fp1, vote0, vote1, dtype, "
+     "op, budget, resume) -> (status, phase): the symmetric all_reduce in one call."},
     {"bind_p2p", (PyCFunction)(void (*)(void))G_bind_p2p, METH_FASTCALL,
      "bind_p2p(R, magic, offsets): the rings of every peer, for send and recv."},
     {"send", (PyCFunction)(void (*)(void))G_send, METH_FASTCALL,
@@ -926,13 +1078,10 @@ static PyTypeObject GroupType = {
 /* ------------------------------------------------------------- module functions */
 /* combine(out, sources, dtype, op, n[, copies]): out = sources[0] (op) sources[1] ... in
  * order, then AVG divides by n; GIL released. `out` may be one of the sources. Each
- * array of `copies` (writable, out's length) receives the result too, piece by piece
- * while it is in cache: the symmetric all_reduce's owner writes its reduced piece
- * into every peer's buffer this way (a push, instead of each peer copying it). */
-#define COPY_PIECE (16 << 10)
-
+ * array of `copies` (writable, out's length) receives the result too (see Reduction). */
 static PyObject *m_combine(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     int code, op, n;
+    Reduction R;
     if (nargs != 5 && nargs != 6) {
         PyErr_SetString(PyExc_TypeError, "shm native combine: 5 or 6 arguments expected");
         return NULL;
@@ -940,75 +1089,13 @@ static PyObject *m_combine(PyObject *mod, PyObject *const *args, Py_ssize_t narg
     if (arg_int(args[2], &code) < 0 || arg_int(args[3], &op) < 0 || arg_int(args[4], &n) < 0)
         return NULL;
     if (check_kernel(code, op) < 0) return NULL;
-    PyObject *seq = PySequence_Fast(args[1], "shm native combine: a sequence of arrays");
-    if (seq == NULL) return NULL;
-    PyObject *cseq = NULL;
-    if (nargs == 6 && args[5] != Py_None &&
-        !(cseq = PySequence_Fast(args[5], "shm native combine: a sequence of copies"))) {
-        Py_DECREF(seq);
+    if (reduction_get(&R, args[0], args[1], nargs == 6 ? args[5] : Py_None, "combine") < 0)
         return NULL;
-    }
-    Py_ssize_t k = PySequence_Fast_GET_SIZE(seq), c = cseq ? PySequence_Fast_GET_SIZE(cseq) : 0;
-    Py_ssize_t i, done = 0;
-    /* k sources, then c copies, in one array of views (and one of pointers: the
-     * sources', then the sources' shifted to the current piece) */
-    Py_buffer out, stack_views[16], *views = stack_views;
-    char *stack_ptrs[32], **ptrs = stack_ptrs;
-    PyObject *ret = NULL;
-    if (k < 1) {
-        PyErr_SetString(PyExc_ValueError, "shm native combine: no sources");
-        goto end_seq;
-    }
-    if (k + c > 16) {
-        views = PyMem_Malloc(sizeof(Py_buffer) * (size_t)(k + c));
-        ptrs = PyMem_Malloc(sizeof(char *) * (size_t)(2 * k));
-        if (!views || !ptrs) { PyErr_NoMemory(); goto end_alloc; }
-    }
-    if (get_array(args[0], &out, 1, "combine") < 0) goto end_alloc;
-    for (i = 0; i < k + c; i++, done++) {
-        int is_copy = i >= k;
-        PyObject *o = is_copy ? PySequence_Fast_GET_ITEM(cseq, i - k)
-                              : PySequence_Fast_GET_ITEM(seq, i);
-        if (get_array(o, &views[i], is_copy, "combine") < 0) goto end_views;
-        if (views[i].len != out.len) {
-            PyBuffer_Release(&views[i]);
-            PyErr_Format(PyExc_ValueError, "shm native combine: %s %zd has %zd bytes, "
-                         "out %zd", is_copy ? "copy" : "source", is_copy ? i - k : i,
-                         views[i].len, out.len);
-            goto end_views;
-        }
-        if (!is_copy) ptrs[i] = views[i].buf;
-    }
-    int itemsize = KERNELS[code].itemsize;
-    Py_ssize_t count = out.len / itemsize;
     Py_BEGIN_ALLOW_THREADS
-    if (c == 0) {
-        KERNELS[code].fn(out.buf, ptrs, (int)k, count, op, n);
-    } else {
-        Py_ssize_t piece = COPY_PIECE / itemsize;
-        char **shifted = ptrs + k;
-        for (Py_ssize_t lo = 0; lo < count; lo += piece) {
-            Py_ssize_t m = count - lo < piece ? count - lo : piece, off = lo * itemsize;
-            for (i = 0; i < k; i++) shifted[i] = ptrs[i] + off;
-            KERNELS[code].fn((char *)out.buf + off, shifted, (int)k, m, op, n);
-            for (i = 0; i < c; i++)
-                memcpy((char *)views[k + i].buf + off, (char *)out.buf + off,
-                       (size_t)(m * itemsize));
-        }
-    }
+    reduction_run(&R, code, op, n);
     Py_END_ALLOW_THREADS
-    ret = Py_None;
-    Py_INCREF(ret);
-end_views:
-    for (i = 0; i < done; i++) PyBuffer_Release(&views[i]);
-    PyBuffer_Release(&out);
-end_alloc:
-    if (views != stack_views) PyMem_Free(views);
-    if (ptrs != stack_ptrs) PyMem_Free(ptrs);
-end_seq:
-    Py_DECREF(seq);
-    Py_XDECREF(cseq);
-    return ret;
+    reduction_release(&R);
+    Py_RETURN_NONE;
 }
 
 /* ------------------------------------------------------- cross-memory attach (CMA) */
@@ -1165,5 +1252,6 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "BUDGET", BUDGET);
     PyModule_AddIntConstant(m, "PEER", PEER);
     PyModule_AddIntConstant(m, "MISMATCH", MISMATCH);
+    PyModule_AddIntConstant(m, "DECLINED", DECLINED);
     return m;
 }

@@ -61,7 +61,7 @@ class NativePaths:
         self._native = mod.Group(seg.mm, lay.ctrl_off, lay.data_off, lay.chunk, self.rank,
                                  self.size, spin, yld, _SLICE, mode == "futex")
         self._bells = NativeDoorbells(self._native, mode)
-        self._DONE, self._MISMATCH = mod.DONE, mod.MISMATCH
+        self._DONE, self._MISMATCH, self._DECLINED = mod.DONE, mod.MISMATCH, mod.DECLINED
         self._exchange = self._exchange_native
         self._small_reduce = self._small_reduce_native
         if type(self)._all_reduce is ReduceOps._all_reduce:   # (not over a subclass's)

@@ -51,7 +51,7 @@ import numpy as np
 from collectives.reduce_op import ReduceOp
 from collectives.shm_names import SHM_DIR, segment_name
 
-from .ops import OP_ALL_REDUCE, piece_bounds
+from .ops import _DTYPE_CODE, _REDOP_BY_ID, OP_ALL_REDUCE, piece_bounds
 
 
 #: Set in the root field of the vote phase's fingerprint (an all_reduce has no root),
@@ -212,6 +212,8 @@ class SymmetricHeap:
         if plan is None or plan[0] is not a or plan[1] is not a.dtype:
             plan = self._symmetric_plan(a)
         _, _, where, piece, srcs, copies = plan
+        if self._native is not None:
+            return self._symmetric_all_reduce_native(op, plan[1], where, piece, srcs, copies)
         fp0 = self._fp0
         self._fp0 = fp0 | _VOTE_MARK  # a rank in another path's first phase: a mismatch
         q = self._enter()
@@ -226,6 +228,43 @@ class SymmetricHeap:
         if piece is not None:
             self._rank_order_reduce(piece, srcs, op, copies)
         self._exchange(self._enter())
+        return True
+
+    def _symmetric_all_reduce_native(self, op: ReduceOp, dtype: np.dtype, where: tuple,
+                                     piece, srcs: list, copies: list) -> bool:
+        """The two phases, the vote and the reduce-and-push in one call of the core
+        (``sym_all_reduce``); Python only where a wait outlasts the core's budget (and
+        then raises what the Python path raises)."""
+        core = self._native
+        fp0, fp1 = self._fp0, self._fp1
+        vfp0 = fp0 | _VOTE_MARK
+        q = self._phase = self._phase + 1
+        self._fp0 = vfp0
+        code = _DTYPE_CODE.get(dtype, 0)
+        redop = _REDOP_BY_ID[id(op)]
+        budget = 0.0 if self._engine.pending else self._wait_budget
+
+        def call(resume: bool, budget: float) -> tuple:
+            return core.sym_all_reduce(piece, srcs, copies, q, vfp0, fp0, fp1, where[0],
+                                       where[1], code, redop, budget, resume)
+
+        status, phase = call(False, budget)
+        if phase == 0 and status != self._DONE and status != self._DECLINED:
+            if status != self._MISMATCH:
+                status = self._settle(q, lambda b: core.exchange(q, vfp0, fp1, b, True),
+                                      status)
+            if status == self._MISMATCH:
+                self._mismatch(q)
+            status, phase = call(True, budget)
+        self._fp0 = fp0
+        if status == self._DECLINED:
+            return False
+        self._phase = q + 1
+        if status != self._DONE and status != self._MISMATCH:
+            status = self._settle(q + 1, lambda b: core.exchange(q + 1, fp0, fp1, b, True),
+                                  status)
+        if status == self._MISMATCH:
+            self._mismatch(q + 1)
         return True
 
     def _release_symmetric(self) -> None:

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from collectives import CollectiveError
+from collectives import CollectiveError, ReduceOp
 from collectives.group import ProcessGroup
 
 #: Every collective a rank can be killed in. ``gather``/``scatter``/``broadcast``/
@@ -64,10 +64,20 @@ def listening_ports(group: ProcessGroup) -> list[int]:
     return sorted(set(ports))
 
 
+#: Ops of these tasks that are a collective under another name: the name errors use.
+OP_NAMES = {"all_reduce_symmetric": "all_reduce"}
+
+
 def _call(group: ProcessGroup, op: str) -> Callable[[], None]:
-    """A closure running collective ``op`` on buffers made once (root 0)."""
+    """A closure running collective ``op`` on buffers made once (root 0);
+    ``all_reduce_symmetric`` is an all_reduce of a buffer from ``alloc_symmetric``
+    (shm reads the peers' buffers in place)."""
     n = group.size
     a = np.ones(ELEMENTS, np.float32)
+    if op == "all_reduce_symmetric":  # (a collective: every rank makes the same closure)
+        sym = group.alloc_symmetric(a.nbytes).view(np.float32)
+        sym[:] = 1.0
+        return lambda: group.all_reduce(sym)
     big = np.ones(ELEMENTS * n, np.float32)
     root = group.rank == 0
     calls: dict[str, Callable[[], Any]] = {
@@ -159,6 +169,9 @@ def mismatch(group: ProcessGroup, kind: str, odd: int) -> dict:
             g.all_reduce(np.ones(16, np.int32 if me else np.float32))
         elif kind == "root":
             g.broadcast(np.ones(16, np.float32), src=1 if me else 0)
+        elif kind == "symmetric op":   # in symmetric memory, past the one-phase size
+            sym = g.alloc_symmetric(1 << 20).view(np.float32)
+            g.all_reduce(sym, ReduceOp.MAX if me else ReduceOp.SUM)
         else:
             raise ValueError(f"mismatch: unknown kind {kind!r}")
         g.barrier()  # a rank that returned early learns of the mismatch here
