@@ -62,7 +62,6 @@ VALID_REDUCTIONS: dict[int, frozenset] = {
     id(d): frozenset() if d == np.bool_ else frozenset(
         id(op) for op in ReduceOp if not (op is ReduceOp.AVG and np.issubdtype(d, np.integer)))
     for d in SUPPORTED_DTYPES}
-_NO_OPS: frozenset = frozenset()
 
 
 class HostViews:
@@ -71,9 +70,9 @@ class HostViews:
     >>> import torch
     >>> views = HostViews()
     >>> t = torch.zeros(2, 3)
-    >>> flat, shape = views.lookup(t)
-    >>> flat.shape, tuple(shape)
-    ((6,), (2, 3))
+    >>> flat, shape, valid, dtype = views.lookup(t)
+    >>> flat.shape, tuple(shape), len(valid)
+    ((6,), (2, 3), 5)
     """
 
     __slots__ = ("_entries",)
@@ -81,22 +80,24 @@ class HostViews:
     def __init__(self) -> None:
         self._entries: dict[int, tuple] = {}
 
-    def lookup(self, obj: Any) -> Optional[tuple[np.ndarray, Any]]:
-        """``(flat host array, caller's shape)`` when ``obj`` may go straight to a hook
-        as a zero-copy, writable view; None when it needs the general path."""
+    def lookup(self, obj: Any) -> Optional[tuple[np.ndarray, Any, frozenset, np.dtype]]:
+        """``(flat host array, caller's shape, the ids of its valid reductions, the
+        array's dtype)`` when ``obj`` may go straight to a hook as a zero-copy, writable
+        view; None when it needs the general path."""
         if type(obj) is np.ndarray:   # (FastPath._fast_collective checks it alike)
-            if id(obj.dtype) in VALID_REDUCTIONS and obj.flags.carray:
-                return (obj if obj.ndim == 1 else obj.reshape(-1)), obj.shape
+            valid = VALID_REDUCTIONS.get(id(obj.dtype))
+            if valid is not None and obj.flags.carray:
+                return (obj if obj.ndim == 1 else obj.reshape(-1)), obj.shape, valid, obj.dtype
             return None
         entry = self._entries.get(id(obj))
         if entry is not None:
-            ref, ptr, shape, dtype, flat = entry
+            ref, ptr, shape, dtype, found = entry
             if (ref() is obj and obj.data_ptr() == ptr and obj.shape == shape
                     and obj.dtype is dtype and obj.is_contiguous()):
-                return flat, shape
+                return found
         return self._fill(obj)
 
-    def _fill(self, obj: Any) -> Optional[tuple[np.ndarray, Any]]:
+    def _fill(self, obj: Any) -> Optional[tuple[np.ndarray, Any, frozenset, np.dtype]]:
         torch = sys.modules.get("torch")
         if torch is None or not isinstance(obj, torch.Tensor):
             return None
@@ -110,12 +111,13 @@ class HostViews:
             flat = host.view(torch.uint16).numpy().view(dt).reshape(-1)
         else:
             flat = host.numpy().reshape(-1)
+        found = (flat, obj.shape, VALID_REDUCTIONS[id(dt)], flat.dtype)
         if obj.untyped_storage().nbytes() <= CACHE_STORAGE_BYTES:
             if len(self._entries) >= CACHE_ENTRIES:
                 self._entries.clear()
             self._entries[id(obj)] = (weakref.ref(obj), obj.data_ptr(), obj.shape,
-                                      obj.dtype, flat)
-        return flat, obj.shape
+                                      obj.dtype, found)
+        return found
 
     def clear(self) -> None:
         self._entries.clear()
@@ -152,9 +154,7 @@ class FastPath:
             found = self._host_views.lookup(tensor)
             if found is None:
                 return False
-            flat, shape = found
-            dtype = flat.dtype
-            valid = VALID_REDUCTIONS.get(id(dtype), _NO_OPS)
+            flat, shape, valid, dtype = found
         if reduce_op is not None and id(reduce_op) not in valid:
             return False
         if self._closed:
@@ -209,7 +209,7 @@ class FastPath:
         found = self._host_views.lookup(tensor)
         if found is None:
             return False
-        flat, shape = found
+        flat, shape, _, dtype = found
         if self._closed:
             raise CollectiveError(f"{self._where(op)}: the group is closed")
         recorder = self._recorder
@@ -220,9 +220,9 @@ class FastPath:
         try:
             hook(flat, peer, tag)
         except BaseException as exc:
-            self._fast_failed((-1, op, shape, flat.dtype, -1, None, peer, t0), exc)
+            self._fast_failed((-1, op, shape, dtype, -1, None, peer, t0), exc)
             raise
-        recorder.append((-1, op, shape, flat.dtype, -1, None, peer, t0, _time(), "ok"))
+        recorder.append((-1, op, shape, dtype, -1, None, peer, t0, _time(), "ok"))
         return True
 
     def _fast_failed(self, started: tuple, exc: BaseException) -> None:

@@ -130,6 +130,8 @@ _NOT_A_SWITCH = {
     # whether the fast path keeps a tensor's host view for the next call (the same
     # zero-copy view either way)
     "collectives.fast_path.CACHE_STORAGE_BYTES",
+    # how much the single-copy path's speed check copies (once per process)
+    "backends.shm.cma._PROBE_BYTES",
 }
 
 
