@@ -313,6 +313,38 @@ def test_native_python_and_mixed_groups_agree_bitwise_and_talk():
     assert all(res["ticks"][1] > 0 for res in results), [res["ticks"] for res in results]
 
 
+def _late_pipelined_job() -> list:
+    """Pipelined all_reduces and reduces (several chunks) where a rank comes late and
+    the core gives up on every first wait at once (``_wait_budget`` 0): Python waits
+    phases out between the core's calls, which go on from the next step."""
+    pg = collectives.init_process_group()
+    pg._wait_budget = 0.0
+    n, me = pg.size, pg.rank
+    a = np.empty(300_001, np.float32)   # about 19 chunks of 64 KiB slots
+    right = []
+    for i in range(8):
+        a[:] = me + i
+        if (i + me) % 3 == 0:
+            time.sleep(0.002 * (i % 4))
+        if i % 2:
+            pg.reduce(a, dst=i % n)
+            want = sum(r + i for r in range(n)) if me == i % n else me + i
+        else:
+            pg.all_reduce(a)
+            want = sum(r + i for r in range(n))
+        right.append(bool((a == want).all()))
+    pg.close()
+    return right
+
+
+@needs_core
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_the_pipelined_path_survives_late_ranks_and_short_waits(nproc):
+    assert collectives.spawn(_late_pipelined_job, nproc, backend="shm", timeout=30,
+                             join_timeout=120, env={"COLLECTIVES_SHM_CHUNK_BYTES": "65536"}
+                             ) == [[True] * 8] * nproc
+
+
 # --------------------------------------------------------------------------- build
 def _copy_tree(dst: Path) -> None:
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,

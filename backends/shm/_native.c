@@ -611,8 +611,8 @@ static int get_array(PyObject *o, Py_buffer *view, int writable, const char *wha
 
 typedef struct {
     Py_buffer out, stack_views[REDUCTION_STACK], *views;  /* k sources, then c copies */
-    char *stack_ptrs[2 * REDUCTION_STACK], **ptrs;        /* k sources, then k shifted */
-    Py_ssize_t k, c, held;                                /* held: views acquired */
+    char *stack_ptrs[2 * REDUCTION_STACK], **ptrs;  /* k sources, k shifted, c copies */
+    Py_ssize_t k, c, held;                          /* held: views acquired */
 } Reduction;
 
 static void reduction_release(Reduction *R) {
@@ -644,7 +644,7 @@ static int reduction_get(Reduction *R, PyObject *out, PyObject *srcs, PyObject *
     }
     if (R->k + R->c > REDUCTION_STACK) {
         R->views = PyMem_Malloc(sizeof(Py_buffer) * (size_t)(R->k + R->c));
-        R->ptrs = PyMem_Malloc(sizeof(char *) * (size_t)(2 * R->k));
+        R->ptrs = PyMem_Malloc(sizeof(char *) * (size_t)(2 * R->k + R->c));
         if (!R->views || !R->ptrs) { PyErr_NoMemory(); goto fail_alloc; }
     }
     if (get_array(out, &R->out, 1, what) < 0) goto fail_alloc;
@@ -660,7 +660,7 @@ static int reduction_get(Reduction *R, PyObject *out, PyObject *srcs, PyObject *
                          R->views[i].len, R->out.len);
             goto fail_views;
         }
-        if (!is_copy) R->ptrs[i] = R->views[i].buf;
+        R->ptrs[is_copy ? R->k + i : i] = R->views[i].buf;   /* (copies after the shifted) */
     }
     Py_DECREF(seq);
     Py_XDECREF(cseq);
@@ -677,23 +677,28 @@ fail_seq:
     return -1;
 }
 
-static void reduction_run(Reduction *R, int code, int op, int n) {
+/* out = srcs[0..k) in rank order (op), and the same `count` elements into each of
+ * copies[0..c), COPY_PIECE bytes at a time; `shifted` has room for k pointers. */
+static void reduce_pieces(int code, int op, int n, char *out, char **srcs, int k,
+                          char **shifted, char **copies, Py_ssize_t c, Py_ssize_t count) {
     int itemsize = KERNELS[code].itemsize;
-    Py_ssize_t count = R->out.len / itemsize;
-    char *out = R->out.buf;
-    if (R->c == 0) {
-        KERNELS[code].fn(out, R->ptrs, (int)R->k, count, op, n);
+    if (c == 0) {
+        KERNELS[code].fn(out, srcs, k, count, op, n);
         return;
     }
     Py_ssize_t piece = COPY_PIECE / itemsize;
-    char **shifted = R->ptrs + R->k;
     for (Py_ssize_t lo = 0; lo < count; lo += piece) {
         Py_ssize_t m = count - lo < piece ? count - lo : piece, off = lo * itemsize;
-        for (Py_ssize_t i = 0; i < R->k; i++) shifted[i] = R->ptrs[i] + off;
-        KERNELS[code].fn(out + off, shifted, (int)R->k, m, op, n);
-        for (Py_ssize_t i = 0; i < R->c; i++)
-            memcpy((char *)R->views[R->k + i].buf + off, out + off, (size_t)(m * itemsize));
+        for (int i = 0; i < k; i++) shifted[i] = srcs[i] + off;
+        KERNELS[code].fn(out + off, shifted, k, m, op, n);
+        for (Py_ssize_t i = 0; i < c; i++)
+            memcpy(copies[i] + off, out + off, (size_t)(m * itemsize));
     }
+}
+
+static void reduction_run(Reduction *R, int code, int op, int n) {
+    reduce_pieces(code, op, n, R->out.buf, R->ptrs, (int)R->k, R->ptrs + R->k,
+                  R->ptrs + 2 * R->k, R->c, R->out.len / KERNELS[code].itemsize);
 }
 
 /* small_reduce(a, q, fp0, fp1, dtype, op, result, budget, published) -> status.
@@ -799,6 +804,115 @@ static PyObject *G_sym_all_reduce(Group *g, PyObject *const *args, Py_ssize_t na
     status = wait_phase(g, q + 1, budget);
     if (status == DONE && !fingerprints_match(g, q + 1, fp0, fp1)) status = MISMATCH;
     return Py_BuildValue("(ii)", status, 1);
+}
+
+/* pipelined(a, q0, fp0, fp1, dtype, op, result, j, budget) -> (status, j): reduce.py's
+ * pipelined all_reduce/reduce of `a` (flat, at least one chunk), its steps from j on,
+ * over the same slots and in the same pieces as the Python path (so that a group may
+ * mix ranks on either). Step j of K + 1 (phase q0 + j): copy into this rank's slot the
+ * pieces of chunk j that others own; reduce this rank's piece of chunk j - 1 from the
+ * previous bank's slots into the slot's output part (and into `a` where `result`);
+ * where `result`, copy the others' reduced pieces of chunk j - 2 out into `a`; publish
+ * q0 + j with (fp0, fp1) and wait at most `budget` s. After the last step, chunk K - 1
+ * is copied out. Returns (DONE, K + 1) when all is done, else the status and the step
+ * whose phase is still awaited: Python waits it out and calls again from the next. */
+static void chunk_bounds(Py_ssize_t total, Py_ssize_t C, Py_ssize_t P, Py_ssize_t align,
+                         int n, Py_ssize_t j, Py_ssize_t k, Py_ssize_t *lo, Py_ssize_t *k0,
+                         Py_ssize_t *k1) {
+    Py_ssize_t c = total - j * C < C ? total - j * C : C;
+    Py_ssize_t part = ((c + n - 1) / n + align - 1) / align * align;
+    if (part > P) part = P;
+    *lo = j * C;
+    *k0 = k * part < c ? k * part : c;
+    *k1 = (k + 1) * part < c ? (k + 1) * part : c;
+}
+
+static void copy_out_chunk(Group *g, char *a, int bank, Py_ssize_t total, Py_ssize_t C,
+                           Py_ssize_t P, Py_ssize_t align, Py_ssize_t j, int itemsize) {
+    for (int r = 0; r < g->size; r++) {
+        Py_ssize_t lo, k0, k1;
+        if (r == g->rank) continue;
+        chunk_bounds(total, C, P, align, g->size, j, r, &lo, &k0, &k1);
+        if (k1 > k0)
+            memcpy(a + (lo + k0) * itemsize, slot(g, bank, r) + C * itemsize,
+                   (size_t)((k1 - k0) * itemsize));
+    }
+}
+
+static PyObject *G_pipelined(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t q0, fp0, fp1;
+    int code, op, result, n = g->size, me = g->rank, status = DONE;
+    Py_ssize_t j;
+    double budget;
+    Py_buffer view;
+    NARGS("pipelined", 9);
+    if (arg_u64(args[1], &q0) < 0 || arg_u64(args[2], &fp0) < 0 || arg_u64(args[3], &fp1) < 0
+        || arg_int(args[4], &code) < 0 || arg_int(args[5], &op) < 0
+        || (result = PyObject_IsTrue(args[6])) < 0 || (j = PyLong_AsSsize_t(args[7])) < 0
+        || arg_double(args[8], &budget) < 0)
+        return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "pipelined: j < 0");
+    if (check_kernel(code, op) < 0) return NULL;
+    if (get_array(args[0], &view, 1, "pipelined") < 0) return NULL;
+    int itemsize = KERNELS[code].itemsize;
+    /* reduce.py's _piece_layout: pieces of P elements, chunks of n pieces */
+    Py_ssize_t piece_bytes = g->chunk / (n + 1) / 64 * 64, align = 64 / itemsize;
+    Py_ssize_t P = piece_bytes / itemsize > 0 ? piece_bytes / itemsize : 1, C = n * P;
+    if (align < 1) align = 1;
+    Py_ssize_t total = view.len / itemsize, K = (total + C - 1) / C;
+    char *a = view.buf, *stack[48], **srcs = stack;   /* n sources, n shifted, 1 copy */
+    if (view.len % itemsize || K < 1) {
+        PyBuffer_Release(&view);
+        return PyErr_Format(PyExc_ValueError, "shm native pipelined: %zd bytes of an "
+                            "itemsize of %d", view.len, itemsize);
+    }
+    if (3 * n > 48 && !(srcs = PyMem_Malloc(sizeof(char *) * (size_t)(3 * n)))) {
+        PyBuffer_Release(&view);
+        return PyErr_NoMemory();
+    }
+    char **shifted = srcs + n, **copies = srcs + 2 * n;
+    for (; j <= K; j++) {
+        uint64_t q = q0 + (uint64_t)j;
+        int bank = (int)(q & 1);
+        char *slot_in = slot(g, bank, me);
+        Py_ssize_t lo, k0, k1, c;
+        Py_BEGIN_ALLOW_THREADS
+        if (j < K) {                               /* 1. copy in others' pieces of chunk j */
+            chunk_bounds(total, C, P, align, n, j, me, &lo, &k0, &k1);
+            c = total - lo < C ? total - lo : C;
+            if (k0 > 0) memcpy(slot_in, a + lo * itemsize, (size_t)(k0 * itemsize));
+            if (k1 < c)
+                memcpy(slot_in + k1 * itemsize, a + (lo + k1) * itemsize,
+                       (size_t)((c - k1) * itemsize));
+        }
+        if (j >= 1) {                              /* 2. reduce my piece of chunk j - 1 */
+            chunk_bounds(total, C, P, align, n, j - 1, me, &lo, &k0, &k1);
+            if (k1 > k0) {
+                char *mine = a + (lo + k0) * itemsize, *published = slot_in + C * itemsize;
+                for (int r = 0; r < n; r++)
+                    srcs[r] = r == me ? mine : slot(g, bank ^ 1, r) + k0 * itemsize;
+                copies[0] = published;
+                reduce_pieces(code, op, n, result ? mine : published, srcs, n, shifted,
+                              copies, result ? 1 : 0, k1 - k0);
+            }
+        }
+        if (j >= 2 && result)                      /* 3. copy out chunk j - 2 */
+            copy_out_chunk(g, a, bank ^ 1, total, C, P, align, j - 2, itemsize);
+        Py_END_ALLOW_THREADS
+        store_fp(g, q, fp0, fp1);
+        arrive(g, q);
+        status = wait_phase(g, q, budget);
+        if (status == DONE && !fingerprints_match(g, q, fp0, fp1)) status = MISMATCH;
+        if (status != DONE) break;
+    }
+    if (status == DONE && result) {               /* chunk K - 1, from the last bank */
+        Py_BEGIN_ALLOW_THREADS
+        copy_out_chunk(g, a, (int)((q0 + (uint64_t)K) & 1), total, C, P, align, K - 1,
+                       itemsize);
+        Py_END_ALLOW_THREADS
+    }
+    if (srcs != stack) PyMem_Free(srcs);
+    PyBuffer_Release(&view);
+    return Py_BuildValue("(in)", status, j);
 }
 
 /* --------------------------------------------------------------- point to point */
@@ -1050,6 +1164,9 @@ static PyMethodDef Group_methods[] = {
     {"sym_all_reduce", (PyCFunction)(void (*)(void))G_sym_all_reduce, METH_FASTCALL,
      "sym_all_reduce(piece, sources, copies, q, vote_fp0, fp0, fp1, vote0, vote1, dtype, "
      "op, budget, resume) -> (status, phase): the symmetric all_reduce in one call."},
+    {"pipelined", (PyCFunction)(void (*)(void))G_pipelined, METH_FASTCALL,
+     "pipelined(a, q0, fp0, fp1, dtype, op, result, j, budget) -> (status, j): the "
+     "pipelined all_reduce/reduce from step j on."},
     {"bind_p2p", (PyCFunction)(void (*)(void))G_bind_p2p, METH_FASTCALL,
      "bind_p2p(R, magic, offsets): the rings of every peer, for send and recv."},
     {"send", (PyCFunction)(void (*)(void))G_send, METH_FASTCALL,

@@ -66,6 +66,8 @@ class NativePaths:
         self._small_reduce = self._small_reduce_native
         if type(self)._all_reduce is ReduceOps._all_reduce:   # (not over a subclass's)
             self._all_reduce = self._all_reduce_native
+        if type(self)._pipelined_reduce is ReduceOps._pipelined_reduce:
+            self._pipelined_reduce = self._pipelined_reduce_native
         self._small_bytes = self._small_limit   # (read per call: no property there)
         self._wait_budget = min(_LIVENESS_EVERY, self.timeout)  # longest single C wait
         self._p2p_wait = self._p2p_wait_native
@@ -201,6 +203,34 @@ class NativePaths:
                 status)
         if status == self._MISMATCH:
             self._mismatch(q)
+
+    def _pipelined_reduce_native(self, a: np.ndarray, op: ReduceOp, seq: int, dst: int,
+                                 opcode: int) -> None:
+        """``reduce.ReduceOps._pipelined_reduce`` in calls of the core (``pipelined``):
+        the same slots, pieces and phases, every step's copies and reduction with the
+        GIL released; Python only where a phase's wait outlasts the core's budget (it
+        waits that phase out as ``_exchange`` does, and the core goes on from the next
+        step)."""
+        self._start(opcode, seq, a.dtype, a.nbytes, dst, op)
+        core = self._native
+        fp0, fp1 = self._fp0, self._fp1
+        q0 = self._phase + 1
+        code, redop = _DTYPE_CODE.get(a.dtype, 0), _REDOP_BY_ID[id(op)]
+        result = dst < 0 or dst == self.rank
+        budget = 0.0 if self._engine.pending else self._wait_budget
+        j = 0
+        while True:
+            status, j = core.pipelined(a, q0, fp0, fp1, code, redop, result, j, budget)
+            if status == self._DONE:
+                self._phase = q0 + j - 1   # the last step's phase
+                return
+            q = self._phase = q0 + j
+            if status != self._MISMATCH:
+                status = self._settle(q, lambda b: core.exchange(q, fp0, fp1, b, True),
+                                      status)
+            if status == self._MISMATCH:
+                self._mismatch(q)
+            j += 1
 
 
 __all__ = ["NativePaths"]
