@@ -13,8 +13,8 @@ on the group), side by side in one run, and through a persistent request
 (``all_reduce_init``: ``start(); wait()``) beside the ``async_op=True`` call it replaces in
 DDP's buckets: both hand the round to the group's thread (a wait that finds a persistent
 round still queued runs it itself); and the request's ``run()``, which runs the round on
-the calling thread as the fast path runs a blocking call. The last column subtracts the cost of calling an
-empty Python method (the floor any Python API pays).
+the calling thread as the fast path runs a blocking call. The last column subtracts the
+cost of calling an empty Python method (the floor any Python API pays).
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ machine's changing load hits them alike), and the median run is reported, as sam
 second (steps x batch x ranks / time) and as the ratio to torch DDP at the same world size
 (above 1: ours trains faster); ``scaling`` is the median over rounds of each run's
 samples/s over the world size times the plain run's of the same round (scaling
-efficiency against one process, 1.0 ideal). ``--threads`` compute threads per rank (default 1, so that N
-ranks use N cores). ``plain`` is one process without any wrapper (``--no-plain`` leaves
-it out): the ceiling of one rank.
+efficiency against one process, 1.0 ideal). ``--threads`` compute threads per rank
+(default 1, so that N ranks use N cores). ``plain`` is one process without any wrapper
+(``--no-plain`` leaves it out): the ceiling of one rank.
 
 Backend ``mpi`` runs under ``mpiexec`` (this script re-executes itself with a hidden
 ``--mpi-rank`` flag); without mpiexec or mpi4py it is skipped with the reason, as is any

@@ -28,8 +28,8 @@ Each element is reduced once, by its owner, in rank order, by the same kernels a
 other paths: the ranks get bitwise-identical results, bitwise those of the pipelined
 path. Traffic per rank: the peers' pieces read once, the reduction, the gather read once,
 about 3 times the message. Messages of ``cma_min_bytes(n)`` and more take this path (1.5
-MiB at 2 ranks; more with more ranks, whose pieces are smaller and whose reads are more);
-``reduce`` (one root) and the other collectives keep theirs.
+MiB at 2 ranks; more with more ranks, whose pieces are smaller and whose reads are more)
+where every rank votes for it; ``reduce`` (one root) and the other collectives keep theirs.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ from collectives.reduce_op import ReduceOp
 from .ops import _DTYPE_CODE, _REDOP_BY_ID, OP_ALL_REDUCE, piece_bounds
 
 #: all_reduce messages of at least this many bytes, times ``size // 2``, read the peers'
-#: memory directly. Measured on 2 cores, the paths timed in turn in one job: at 2 ranks
+#: memory directly where the group votes for it (cma_pays_off). Measured on 2 cores of
+#: the machine it was built on (where it pays), the paths timed in turn in one job: at 2 ranks
 #: staging is 13% faster at 1 MiB (twice: 336 vs 384 us, 320 vs 366 us), even at 1.5
 #: MiB, 10-25% slower from 2 MiB. At 4 ranks (oversubscribed) staging was faster at 3
 #: MiB (2.60 vs 3.52 ms) and 4 MiB (3.40 vs 3.66 ms) and the two within 6% of each other

@@ -7,18 +7,20 @@ order straight into its array: ``a = s0 (op) s1``, then ``a = a (op) s_r``. View
 exactly the message's length are cached per (dtype, length), so the hot path does no
 slicing: one copy in and n - 1 ufunc calls (plus a division for AVG).
 
-Large messages: an all_reduce of ``cma.cma_min_bytes(n)`` or more reads the peers'
-arrays in place where the group can (``cma.py``); otherwise, and for ``reduce``,
-reduce-scatter then all-gather, pipelined one chunk per phase. A chunk of
-C = n x P elements splits into n pieces of P; rank k owns piece k. In the phase of chunk
-j every rank
+Large messages: an all_reduce of an array in symmetric memory reads the peers' buffers
+in place (``symmetric.py``), one of ``cma.cma_min_bytes(n)`` or more reads the peers'
+arrays where the group can and the kernel copies fast enough (``cma.py``); otherwise,
+and for ``reduce``, reduce-scatter then all-gather, pipelined one chunk per phase. A
+chunk of C = n x P elements splits into n pieces of P; rank k owns piece k. In the
+phase of chunk j every rank
 
 1. copies the pieces of chunk j that *others* own into the input part of its slot (its
    own piece stays in its array: a single copy in, of (n-1)/n of the data),
 2. reduces its piece of chunk j-1 from the peers' input parts of the previous bank and
-   its own array, in rank order, into the output part of its slot, and
-3. copies the reduced pieces of chunk j-2 (everybody's output parts, previous bank) into
-   its array,
+   its own array, in rank order, into the output part of its slot (and, where it wants
+   the result, into its array at once), and
+3. copies the others' reduced pieces of chunk j-2 (their output parts, previous bank)
+   into its array,
 
 then publishes the phase. All writes of phase q go to bank ``q % 2`` and all reads are of
 bank ``(q - 1) % 2``, which every rank finished writing before the barrier of phase q-1:
@@ -27,9 +29,12 @@ K-1's outputs, after the final barrier) are of the last published bank, as for e
 other collective. Each element is reduced once, by its owner, so every rank copies out
 the same bits.
 
-Memory traffic per rank and chunk of C bytes: (n-1)/n C copied in, C read and C/n written
-by the reduction, C copied out: about 4.5 C for two ranks, against 6.5 C for copying the
-whole chunk in and reducing through a staged accumulator.
+Memory traffic per rank and chunk of C bytes: (n-1)/n C copied in, C read and 2C/n
+written by the reduction, (n-1)/n C copied out: about 4 C for two ranks, against 6.5 C
+for copying the whole chunk in and reducing through a staged accumulator. On the compiled
+core (``native_ops._pipelined_reduce_native``) the same steps over the same slots run in
+calls of the core, the GIL released, a call going on through the phases until one's
+wait outlasts the core's budget.
 """
 
 from __future__ import annotations
