@@ -191,12 +191,17 @@ class Bucket:
         """End of backward: every parameter that never reported contributes what its
         ``.grad`` holds (accumulated under ``no_sync``, or left from earlier steps), or
         zeros when it has none."""
-        for slot in range(len(self.params)):
-            if not self._ready[slot]:
-                self._has_grad[slot] = self.adopt(slot)
-                if not self._has_grad[slot]:
-                    self.views[slot].zero_()
-                self._ready[slot] = True
+        views, ready, has = self.views, self._ready, self._has_grad
+        for slot, p in enumerate(self.params):
+            if ready[slot]:
+                continue
+            if p.grad is views[slot]:   # (the last bucket's usual case: nothing to adopt)
+                has[slot] = True
+            else:
+                has[slot] = self.adopt(slot)
+                if not has[slot]:
+                    views[slot].zero_()
+            ready[slot] = True
         self._pending = 0
 
     def launch(self, *, blocking: bool = False) -> None:
