@@ -70,7 +70,8 @@ def _kill_params():
     rest of the matrix is slow."""
     return [_param(backend, op, n, slow=n != 3 and op != "all_reduce")
             for backend in SPAWNED_BACKENDS for n in (3, 2, 4) for op in tasks.COLLECTIVES] + [
-        _param("shm", "all_reduce_symmetric", n, slow=n == 4) for n in (2, 3, 4)]
+        _param("shm", "all_reduce_symmetric", n, slow=n == 4) for n in (2, 3, 4)] + [
+        _param("shm", "all_reduce_small", n, slow=n == 4) for n in (2, 3, 4)]
 
 
 def _report(**fields) -> None:
@@ -161,7 +162,7 @@ def _hang_params():
     for backend in (*SPAWNED_BACKENDS, "mpi"):
         for op in ("all_reduce", "all_gather", "barrier"):
             params.append(_param(backend, op, 3, slow=backend == "mpi" and op != "all_reduce"))
-    return params + [_param("shm", "all_reduce_symmetric", 3)]
+    return params + [_param("shm", op, 3) for op in ("all_reduce_symmetric", "all_reduce_small")]
 
 
 @pytest.mark.parametrize("backend, op, n", _hang_params())

@@ -345,6 +345,69 @@ def test_the_pipelined_path_survives_late_ranks_and_short_waits(nproc):
                              ) == [[True] * 8] * nproc
 
 
+def _small_hook_job() -> dict:
+    """The one-phase all_reduce in one call of the core (small_all_reduce), against
+    Python's one-phase path (_small_reduce_native, counted): taken on the hot path, left
+    to Python with a send in flight, and waited out by Python when a rank comes later
+    than the core waits."""
+    pg = collectives.init_process_group()
+    me, n = pg.rank, pg.size
+    cls = type(pg)
+    real = cls._small_reduce_native
+    python_calls = []
+
+    def counted(self, *args):
+        python_calls.append(args[2])
+        return real(self, *args)
+
+    cls._small_reduce_native = counted
+    out = {}
+    try:
+        a = np.empty(5, np.float32)
+        for op, want in ((ReduceOp.SUM, n * (n - 1) / 2), (ReduceOp.MAX, n - 1)):
+            a[:] = me
+            pg.all_reduce(a, op)
+            out.setdefault("hot", []).append(bool((a == want).all()))
+        out["hot_python_calls"] = len(python_calls)
+        late = []
+        for i in range(2):   # a rank 0.25 s late: past the core's 0.1 s wait
+            a[:] = me + i
+            if me == i % n:
+                time.sleep(0.25)
+            pg.all_reduce(a)
+            late.append(bool((a == sum(r + i for r in range(n))).all()))
+        out["late"] = late
+        big = np.arange(300_000, dtype=np.float64)   # larger than a ring: still in flight
+        got = np.empty_like(big)
+        sent = pg.isend(big, (me + 1) % n, tag=5)
+        received = pg.irecv(got, (me - 1) % n, tag=5)
+        before = len(python_calls)
+        a[:] = 1.0
+        pg.all_reduce(a)
+        sent.wait()
+        received.wait()
+        out["pending"] = (bool((a == n).all()) and np.array_equal(got, big),
+                          len(python_calls) - before)
+        phase = pg._phase
+        pg.barrier()   # (a phase of the Python wrapper: the counters are one)
+        out["phase"] = pg._phase - phase
+    finally:
+        cls._small_reduce_native = real
+        pg.close()
+    return out
+
+
+@needs_core
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_the_one_phase_all_reduce_is_one_call_of_the_core(nproc):
+    for res in collectives.spawn(_small_hook_job, nproc, backend="shm", timeout=30,
+                                 join_timeout=120):
+        assert res["hot"] == [True, True] and res["hot_python_calls"] == 0, res
+        assert res["late"] == [True, True], res
+        assert res["pending"] == (True, 1), res
+        assert res["phase"] == 1, res
+
+
 # --------------------------------------------------------------------------- build
 def _copy_tree(dst: Path) -> None:
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,

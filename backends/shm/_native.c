@@ -317,6 +317,10 @@ typedef struct {
     Py_ssize_t ring_bytes;
     Py_ssize_t *p2p;        /* 6 x size: out ring, in ring, out head, out tail, in head, in tail */
     uint32_t magic;
+    /* The last phase this rank entered (shm's Python `_phase` reads and writes it while
+     * the group is on the core), and the one-phase reduce's limit (bytes). */
+    unsigned long long phase;
+    Py_ssize_t small_limit;
 } Group;
 
 static inline au64 *word(Group *g, int r, int w) {
@@ -701,11 +705,42 @@ static void reduction_run(Reduction *R, int code, int op, int n) {
                   R->ptrs + 2 * R->k, R->c, R->out.len / KERNELS[code].itemsize);
 }
 
-/* small_reduce(a, q, fp0, fp1, dtype, op, result, budget, published) -> status.
- * The one-phase all_reduce/reduce: unless `published`, copy `a` into this rank's slot
- * of bank q % 2, store the fingerprints and publish q; wait at most `budget` seconds;
- * once every rank arrived with the same fingerprint, and if `result`, reduce the n slots
- * in rank order into `a`. */
+/* The one-phase all_reduce/reduce of `len` bytes at `a`: unless `published`, copy them
+ * into this rank's slot of bank q % 2, store the fingerprints and publish q; wait at most
+ * `budget` seconds; once every rank arrived with the same fingerprint, and if `result`,
+ * reduce the n slots in rank order into `a`. The status, as exchange's. */
+static int small_phase(Group *g, char *a, Py_ssize_t len, uint64_t q, uint64_t fp0,
+                       uint64_t fp1, int code, int op, int result, double budget,
+                       int published) {
+    int bank = (int)(q & 1);
+    if (!published) {
+        memcpy(slot(g, bank, g->rank), a, (size_t)len);
+        store_fp(g, q, fp0, fp1);
+        arrive(g, q);
+    }
+    int status = wait_phase(g, q, budget);
+    if (status == DONE && !fingerprints_match(g, q, fp0, fp1)) status = MISMATCH;
+    if (status == DONE && result && len) {
+        char *stack[64], **srcs = stack;
+        if (g->size > 64 && !(srcs = PyMem_RawMalloc(sizeof(char *) * (size_t)g->size)))
+            return -1;
+        for (int r = 0; r < g->size; r++) srcs[r] = slot(g, bank, r);
+        Py_ssize_t count = len / KERNELS[code].itemsize;
+        if (len > 16384) {
+            Py_BEGIN_ALLOW_THREADS
+            KERNELS[code].fn(a, srcs, g->size, count, op, g->size);
+            Py_END_ALLOW_THREADS
+        } else {
+            KERNELS[code].fn(a, srcs, g->size, count, op, g->size);
+        }
+        if (srcs != stack) PyMem_RawFree(srcs);
+    }
+    return status;
+}
+
+/* small_reduce(a, q, fp0, fp1, dtype, op, result, budget, published) -> status: the
+ * one-phase path (small_phase) for Python's own calls (reduce, persistent rounds, and
+ * waits resumed after small_all_reduce). */
 static PyObject *G_small_reduce(Group *g, PyObject *const *args, Py_ssize_t nargs) {
     uint64_t q, fp0, fp1;
     int code, op, result, published;
@@ -724,33 +759,78 @@ static PyObject *G_small_reduce(Group *g, PyObject *const *args, Py_ssize_t narg
         return PyErr_Format(PyExc_ValueError, "shm native small_reduce: %zd bytes do not "
                             "fit a slot of %zd", a.len, g->chunk);
     }
-    int bank = (int)(q & 1);
-    if (!published) {
-        memcpy(slot(g, bank, g->rank), a.buf, (size_t)a.len);
-        store_fp(g, q, fp0, fp1);
-        arrive(g, q);
-    }
-    int status = wait_phase(g, q, budget);
-    if (status == DONE && !fingerprints_match(g, q, fp0, fp1)) status = MISMATCH;
-    if (status == DONE && result && a.len) {
-        char *stack[16], **srcs = stack;
-        if (g->size > 16 && !(srcs = PyMem_Malloc(sizeof(char *) * (size_t)g->size))) {
-            PyBuffer_Release(&a);
-            return PyErr_NoMemory();
-        }
-        for (int r = 0; r < g->size; r++) srcs[r] = slot(g, bank, r);
-        Py_ssize_t count = a.len / KERNELS[code].itemsize;
-        if (a.len > 16384) {
-            Py_BEGIN_ALLOW_THREADS
-            KERNELS[code].fn(a.buf, srcs, g->size, count, op, g->size);
-            Py_END_ALLOW_THREADS
-        } else {
-            KERNELS[code].fn(a.buf, srcs, g->size, count, op, g->size);
-        }
-        if (srcs != stack) PyMem_Free(srcs);
-    }
+    int status = small_phase(g, a.buf, a.len, q, fp0, fp1, code, op, result, budget,
+                             published);
     PyBuffer_Release(&a);
-    return PyLong_FromLong(status);
+    return status < 0 ? PyErr_NoMemory() : PyLong_FromLong(status);
+}
+
+/* The ReduceOp members by code (1..5) and numpy dtype -> code, set once by native.py
+ * (bind_codes): small_all_reduce tells its arguments by them without Python. */
+static PyObject *REDUCE_OPS[R_MAX + 1];
+static PyObject *DTYPE_CODES_BY_DTYPE;
+#define OP_ALL_REDUCE_CODE 3   /* ops.py's OP_ALL_REDUCE (native.py checks it) */
+
+/* small_all_reduce(a, op, seq, budget) -> status, or NOT_TAKEN: the whole all_reduce hook
+ * of a one-phase message, called by the base class's fast path (through one line of
+ * Python: shm's NativePaths._use_native). Finds the codes of `a`'s dtype and of `op`,
+ * enters the next phase (the `phase` member), computes the fingerprint Python's
+ * _small_reduce_native would, and runs small_phase. NOT_TAKEN (nothing done, the phase
+ * unchanged) for an array past `small_limit` or a dtype or operator it does not know:
+ * Python's path then runs. Any other status but DONE: Python waits the phase out. */
+#define NOT_TAKEN 5
+
+static PyObject *G_small_all_reduce(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    int op = 0, code;
+    uint64_t seq;
+    double budget;
+    Py_buffer a;
+    NARGS("small_all_reduce", 4);
+    for (int r = 1; r <= R_MAX; r++)
+        if (args[1] == REDUCE_OPS[r]) { op = r; break; }
+    if (!op || DTYPE_CODES_BY_DTYPE == NULL) return PyLong_FromLong(NOT_TAKEN);
+    if (arg_u64(args[2], &seq) < 0 || arg_double(args[3], &budget) < 0) return NULL;
+    PyObject *dtype = PyObject_GetAttrString(args[0], "dtype");
+    if (dtype == NULL) return NULL;
+    PyObject *found = PyDict_GetItemWithError(DTYPE_CODES_BY_DTYPE, dtype);
+    Py_DECREF(dtype);
+    if (found == NULL) return PyErr_Occurred() ? NULL : PyLong_FromLong(NOT_TAKEN);
+    if (arg_int(found, &code) < 0) return NULL;
+    if (code < T_F16 || code > T_I64 || (op == R_AVG && code >= T_I8))
+        return PyLong_FromLong(NOT_TAKEN);
+    if (PyObject_GetBuffer(args[0], &a, PyBUF_WRITABLE) < 0) {
+        PyErr_Clear();
+        return PyLong_FromLong(NOT_TAKEN);
+    }
+    if (a.len > g->small_limit || a.len > g->chunk || a.len % KERNELS[code].itemsize) {
+        PyBuffer_Release(&a);
+        return PyLong_FromLong(NOT_TAKEN);
+    }
+    uint64_t q = ++g->phase;
+    uint64_t fp0 = OP_ALL_REDUCE_CODE | ((uint64_t)op << 4) | ((uint64_t)code << 8)
+                   | ((seq & 0xFFFFFFFFu) << 32);
+    int status = small_phase(g, a.buf, a.len, q, fp0, (uint64_t)a.len, code, op, 1, budget, 0);
+    PyBuffer_Release(&a);
+    return status < 0 ? PyErr_NoMemory() : PyLong_FromLong(status);
+}
+
+/* bind_codes(ops, dtypes): the ReduceOp members in code order (a sequence of R_MAX) and
+ * a dict numpy dtype -> dtype code, for small_all_reduce. */
+static PyObject *m_bind_codes(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    NARGS("bind_codes", 2);
+    PyObject *ops = PySequence_Fast(args[0], "shm native bind_codes: a sequence of ops");
+    if (ops == NULL) return NULL;
+    if (PySequence_Fast_GET_SIZE(ops) != R_MAX || !PyDict_Check(args[1])) {
+        Py_DECREF(ops);
+        return PyErr_Format(PyExc_ValueError, "shm native bind_codes: %d ops and a dict",
+                            R_MAX);
+    }
+    for (int r = 1; r <= R_MAX; r++) {
+        Py_XSETREF(REDUCE_OPS[r], Py_NewRef(PySequence_Fast_GET_ITEM(ops, r - 1)));
+    }
+    Py_DECREF(ops);
+    Py_XSETREF(DTYPE_CODES_BY_DTYPE, Py_NewRef(args[1]));
+    Py_RETURN_NONE;
 }
 
 /* sym_all_reduce(piece, sources, copies, q, vote_fp0, fp0, fp1, vote0, vote1, dtype, op,
@@ -1167,6 +1247,8 @@ static PyMethodDef Group_methods[] = {
     {"pipelined", (PyCFunction)(void (*)(void))G_pipelined, METH_FASTCALL,
      "pipelined(a, q0, fp0, fp1, dtype, op, result, j, budget) -> (status, j): the "
      "pipelined all_reduce/reduce from step j on."},
+    {"small_all_reduce", (PyCFunction)(void (*)(void))G_small_all_reduce, METH_FASTCALL,
+     "small_all_reduce(a, op, seq, budget) -> status as exchange, or 5: not taken."},
     {"bind_p2p", (PyCFunction)(void (*)(void))G_bind_p2p, METH_FASTCALL,
      "bind_p2p(R, magic, offsets): the rings of every peer, for send and recv."},
     {"send", (PyCFunction)(void (*)(void))G_send, METH_FASTCALL,
@@ -1179,11 +1261,45 @@ static PyMethodDef Group_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *G_get_phase(Group *g, void *unused) {
+    return PyLong_FromUnsignedLongLong(g->phase);
+}
+static int G_set_phase(Group *g, PyObject *v, void *unused) {
+    unsigned long long q = v ? PyLong_AsUnsignedLongLong(v) : (unsigned long long)-1;
+    if (q == (unsigned long long)-1 && (v == NULL || PyErr_Occurred())) {
+        if (v == NULL) PyErr_SetString(PyExc_TypeError, "phase cannot be deleted");
+        return -1;
+    }
+    g->phase = q;
+    return 0;
+}
+static PyObject *G_get_small_limit(Group *g, void *unused) {
+    return PyLong_FromSsize_t(g->small_limit);
+}
+static int G_set_small_limit(Group *g, PyObject *v, void *unused) {
+    Py_ssize_t n = v ? PyLong_AsSsize_t(v) : -1;
+    if (n < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "small_limit: bytes >= 0");
+        return -1;
+    }
+    g->small_limit = n;
+    return 0;
+}
+
+static PyGetSetDef Group_getset[] = {
+    {"phase", (getter)G_get_phase, (setter)G_set_phase,
+     "The last phase this rank entered (the shm group's phase counter).", NULL},
+    {"small_limit", (getter)G_get_small_limit, (setter)G_set_small_limit,
+     "Bytes of the largest all_reduce small_all_reduce takes (0: none).", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyTypeObject GroupType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "backends.shm._native.Group",
     .tp_basicsize = sizeof(Group),
     .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_getset = Group_getset,
     .tp_doc = "Group(mapping, ctrl_off, data_off, chunk, rank, size, spin_s, yield_s, "
               "slice_s, futex): one rank's view of a shm group's segment.",
     .tp_new = PyType_GenericNew,
@@ -1329,6 +1445,8 @@ end_seq:
 }
 
 static PyMethodDef module_methods[] = {
+    {"bind_codes", (PyCFunction)(void (*)(void))m_bind_codes, METH_FASTCALL,
+     "bind_codes(ops, dtypes): the ReduceOp members by code and dtype -> code."},
     {"combine", (PyCFunction)(void (*)(void))m_combine, METH_FASTCALL,
      "combine(out, sources, dtype, op, n): the rank-order reduction, GIL released."},
     {"cma_read", (PyCFunction)(void (*)(void))m_cma_read, METH_FASTCALL,
@@ -1370,5 +1488,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "PEER", PEER);
     PyModule_AddIntConstant(m, "MISMATCH", MISMATCH);
     PyModule_AddIntConstant(m, "DECLINED", DECLINED);
+    PyModule_AddIntConstant(m, "NOT_TAKEN", NOT_TAKEN);
+    PyModule_AddIntConstant(m, "OP_ALL_REDUCE", OP_ALL_REDUCE_CODE);
     return m;
 }

@@ -157,6 +157,8 @@ class ShmGroup(NativePaths, SymmetricHeap, CmaReduce, ReduceOps, CollectiveOps,
             self._send_now, self._recv_now = self._engine.blocking_calls(
                 self._isend, self._irecv, min(self._spin_s + self._yield_s,
                                               self._wait_budget), _DTYPE_CODE)
+        if self._native is not None and type(self)._all_reduce is ReduceOps._all_reduce:
+            self._all_reduce = self._all_reduce_hook()   # (not over a subclass's hook)
         self._phase = int(seg.u64[self._me_arrived])
         self._slots = [[seg.bytes[lay.slot_off(b, r):lay.slot_off(b, r) + lay.chunk]
                         for r in range(size)] for b in (0, 1)]
@@ -416,6 +418,8 @@ class ShmGroup(NativePaths, SymmetricHeap, CmaReduce, ReduceOps, CollectiveOps,
                 self._mark(sg.STATE_CLOSED)
             except Exception:  # noqa: BLE001 - closing must not fail
                 pass
+            if self._native is not None:
+                self._py_phase = self._native.phase   # (the counter moves back here)
             self._native = None  # releases its hold on the mapping
             self._engine.close()
             for name in ("_send_now", "_recv_now", "_all_reduce"):

@@ -60,15 +60,20 @@ def _load() -> Optional[ModuleType]:
                       f"`python setup.py build_ext --inplace`)"
         return None
     from . import segment as sg
-    from .ops import _DTYPE_CODE, _REDOP_CODE, dtype_name
+    from .ops import _DTYPE_CODE, _REDOP_CODE, OP_ALL_REDUCE, dtype_name
     layout = (sg.CTRL_STRIDE, sg.W_ARRIVED, sg.W_FP, sg.W_STATE, sg.W_SLEEPERS, sg.BELL_BYTE)
     codes = {dtype_name(c): c for c in _DTYPE_CODE.values()}
     redops = {op.name: c for op, c in _REDOP_CODE.items()}
     if tuple(mod.LAYOUT) != layout or dict(mod.DTYPE_CODES) != codes or \
-            dict(mod.REDOP_CODES) != redops:
-        _load_error = (f"it was built for another layout ({mod.LAYOUT}, {mod.DTYPE_CODES}) "
-                       f"than this package's ({layout}, {codes}): rebuild it")
+            dict(mod.REDOP_CODES) != redops or getattr(mod, "OP_ALL_REDUCE", None) \
+            != OP_ALL_REDUCE:
+        _load_error = (f"it was built for another layout ({mod.LAYOUT}, {mod.DTYPE_CODES}, "
+                       f"all_reduce {getattr(mod, 'OP_ALL_REDUCE', None)}) than this "
+                       f"package's ({layout}, {codes}, all_reduce {OP_ALL_REDUCE}): "
+                       f"rebuild it")
         return None
+    # small_all_reduce tells a call's operator and dtype by these, without Python
+    mod.bind_codes(sorted(_REDOP_CODE, key=_REDOP_CODE.get), dict(_DTYPE_CODE))
     _module = mod
     return mod
 

@@ -15,7 +15,7 @@ or at once when a missing peer failed or closed, and Python raises what it raise
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -41,6 +41,23 @@ class NativePaths:
     _native = None   # the core's Group for this rank, or None on the Python path
     _native_combine = None   # the core's rank-order reduction (GIL released), or None
 
+    _py_phase = 0   # the phase counter on the Python path (see _phase)
+
+    @property
+    def _phase(self) -> int:
+        """The last phase this rank entered. On the core, the core keeps it (its
+        ``small_all_reduce`` enters phases without Python); else this attribute."""
+        core = self._native
+        return self._py_phase if core is None else core.phase
+
+    @_phase.setter
+    def _phase(self, q: int) -> None:
+        core = self._native
+        if core is None:
+            self._py_phase = q
+        else:
+            core.phase = q
+
     @property
     def native(self) -> bool:
         """Whether this group runs on the compiled core (False: the Python path, because
@@ -58,14 +75,14 @@ class NativePaths:
             return
         lay, seg = self._layout, self._seg
         mode = self._bells.mode
-        self._native = mod.Group(seg.mm, lay.ctrl_off, lay.data_off, lay.chunk, self.rank,
-                                 self.size, spin, yld, _SLICE, mode == "futex")
-        self._bells = NativeDoorbells(self._native, mode)
+        core = mod.Group(seg.mm, lay.ctrl_off, lay.data_off, lay.chunk, self.rank,
+                         self.size, spin, yld, _SLICE, mode == "futex")
+        core.small_limit = self._small_limit
+        self._bells = NativeDoorbells(core, mode)
         self._DONE, self._MISMATCH, self._DECLINED = mod.DONE, mod.MISMATCH, mod.DECLINED
         self._exchange = self._exchange_native
         self._small_reduce = self._small_reduce_native
-        if type(self)._all_reduce is ReduceOps._all_reduce:   # (not over a subclass's)
-            self._all_reduce = self._all_reduce_native
+        self._native = core   # (from now on the core keeps the phase counter: _phase)
         if type(self)._pipelined_reduce is ReduceOps._pipelined_reduce:
             self._pipelined_reduce = self._pipelined_reduce_native
         self._small_bytes = self._small_limit   # (read per call: no property there)
@@ -167,6 +184,41 @@ class NativePaths:
             raise op.error
 
     # ----------------------------------------------------------------- reduce
+    def _all_reduce_hook(self) -> Callable[[np.ndarray, ReduceOp, int], None]:
+        """The all_reduce hook on the core (bound by ``ShmGroup.__init__`` once the
+        engine exists): a message of the one-phase path is one call of the core
+        (``small_all_reduce``: the fast path's call reaches C through this one Python
+        frame), anything else (a larger message, point to point in flight, a failed
+        group, a wait that outlasts the core's budget) Python's way."""
+        small = self._native.small_all_reduce
+        DONE, NOT_TAKEN = self._DONE, self._native_module.NOT_TAKEN
+        engine, budget, slow = self._engine, self._wait_budget, self._all_reduce_native
+
+        def all_reduce(a: np.ndarray, op: ReduceOp, seq: int) -> None:
+            if engine.pending or self._broken is not None:
+                return slow(a, op, seq)
+            status = small(a, op, seq, budget)
+            if status != DONE:
+                if status == NOT_TAKEN:
+                    return slow(a, op, seq)
+                self._small_all_reduce_waits(a, op, seq, status)
+        return all_reduce
+
+    def _small_all_reduce_waits(self, a: np.ndarray, op: ReduceOp, seq: int,
+                                status: int) -> None:
+        """After ``small_all_reduce`` came back without its phase done: what
+        ``_small_reduce_native`` does then (wait it out, or raise)."""
+        try:
+            self._op_name, self._op_seq = "all_reduce", seq
+            code, redop = _DTYPE_CODE.get(a.dtype, 0), _REDOP_BY_ID.get(id(op), 0)
+            fp0 = self._fp0 = (OP_ALL_REDUCE | (redop << 4) | (code << 8)
+                               | ((seq & 0xFFFFFFFF) << 32))
+            nbytes = self._fp1 = a.nbytes
+            self._small_waits(a, self._phase, fp0, nbytes, code, redop, True, status)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
     def _all_reduce_native(self, a: np.ndarray, op: ReduceOp, seq: int) -> None:
         """The all_reduce hook on the core: a message of the one-phase path goes to
         ``_small_reduce_native`` at once (``ReduceOps._reduce_into``'s frames are a
@@ -198,6 +250,15 @@ class NativePaths:
         budget = 0.0 if self._engine.pending else self._wait_budget
         status = core.small_reduce(a, q, fp0, nbytes, code, redop, want, budget, False)
         if status != self._DONE:
+            self._small_waits(a, q, fp0, nbytes, code, redop, want, status)
+
+    def _small_waits(self, a: np.ndarray, q: int, fp0: int, nbytes: int, code: int,
+                     redop: int, want: bool, status: int) -> None:
+        """Wait out the one-phase reduce's phase q (published with ``fp0, nbytes``)
+        after the core came back with ``status``, and reduce once it is done; raise as
+        the Python path does."""
+        core = self._native
+        if status != self._MISMATCH:
             status = self._settle(
                 q, lambda b: core.small_reduce(a, q, fp0, nbytes, code, redop, want, b, True),
                 status)

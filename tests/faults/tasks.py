@@ -65,19 +65,22 @@ def listening_ports(group: ProcessGroup) -> list[int]:
 
 
 #: Ops of these tasks that are a collective under another name: the name errors use.
-OP_NAMES = {"all_reduce_symmetric": "all_reduce"}
+OP_NAMES = {"all_reduce_symmetric": "all_reduce", "all_reduce_small": "all_reduce"}
 
 
 def _call(group: ProcessGroup, op: str) -> Callable[[], None]:
     """A closure running collective ``op`` on buffers made once (root 0);
     ``all_reduce_symmetric`` is an all_reduce of a buffer from ``alloc_symmetric``
-    (shm reads the peers' buffers in place)."""
+    (shm reads the peers' buffers in place), ``all_reduce_small`` one of 64 bytes."""
     n = group.size
     a = np.ones(ELEMENTS, np.float32)
     if op == "all_reduce_symmetric":  # (a collective: every rank makes the same closure)
         sym = group.alloc_symmetric(a.nbytes).view(np.float32)
         sym[:] = 1.0
         return lambda: group.all_reduce(sym)
+    if op == "all_reduce_small":      # one phase (shm: one call of the compiled core)
+        small = np.ones(16, np.float32)
+        return lambda: group.all_reduce(small)
     big = np.ones(ELEMENTS * n, np.float32)
     root = group.rank == 0
     calls: dict[str, Callable[[], Any]] = {
