@@ -1,5 +1,5 @@
 """Symmetric memory: one buffer per rank, allocated together, that a backend may let the
-peers read (mixed into :class:`~collectives.group.ProcessGroup`), as torch's
+peers read and write (mixed into :class:`~collectives.group.ProcessGroup`), as torch's
 ``SymmetricMemory`` and NVSHMEM's symmetric heap.
 
 The contract (every backend keeps it):
@@ -16,9 +16,12 @@ The contract (every backend keeps it):
 - Where a backend cannot share a buffer (shm: /dev/shm full, a peer's file not
   mappable), every rank gets plain memory alike and a ``RuntimeWarning`` says why. What it
   adds: a collective whose array lies inside a symmetric buffer at the *same offset on
-  every rank* may read the peers' copies in place. On shm an ``all_reduce`` past the
-  one-phase size reads them with plain loads (no staging copy through the segment, no
-  kernel copy as in its single-copy path): about half the memory traffic.
+  every rank* may read the peers' copies in place, and write its results into them,
+  while that collective runs (never before it starts or after it returns on the rank
+  that owns the buffer). On shm an ``all_reduce`` past the one-phase size reads them
+  with plain loads and pushes each reduced piece into every rank's buffer with plain
+  stores (no staging copy through the segment, no kernel copy as in its single-copy
+  path): less than half the memory traffic, in two phases.
 - Everything else is unchanged: any collective takes any array, inside a buffer or not,
   with the same results (bitwise those of the other paths of the backend).
 - The default (every backend without its own) is ``np.zeros(nbytes, np.uint8)``: plain

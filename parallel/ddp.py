@@ -18,7 +18,9 @@ Accelerating Data Parallel Training", VLDB 2020, arXiv 2006.15704):
    ``bucket_cap_mb`` (one dtype and device per bucket), in reverse order of registration:
    roughly the order in which backward produces their gradients. Each parameter's
    ``.grad`` is a view into its bucket's flat buffer, so the optimizer, the autograd engine
-   and the all-reduce all work on the same memory.
+   and the all-reduce all work on the same memory. (A gradient autograd made afresh, after
+   ``zero_grad(set_to_none=True)``, is copied in and replaced by the view when its hook
+   runs; in the last bucket, at the end of the next synchronised backward.)
 2. ``forward`` puts a hook on the module's outputs; backward reaches it before any
    gradient of the module's parameters, and it queues a callback that the autograd
    engine runs once the whole pass has finished (also on a rank where no parameter
@@ -179,14 +181,17 @@ class DistributedDataParallel(nn.Module):
             return out
         # A hook on each output tells us when backward reaches it, before any gradient
         # of the module's parameters (a hook costs a third of an autograd Function
-        # there). A leaf (a parameter returned as it is) gets a fresh view to carry the
-        # hook, so that hooks do not pile up on a tensor that outlives this forward.
+        # there). An output that may outlive this forward (a leaf, such as a parameter
+        # returned as it is, or a tensor that carries hooks already, such as one a
+        # forward returned before) gets a fresh view to carry the hook, so that hooks do
+        # not pile up on it and an earlier forward's `sync` never decides a pass.
         sync, begin = self._require_sync, self._begin_backward
 
         def on_backward(grad: torch.Tensor) -> None:
             begin(sync)
 
-        marked = [t if t.grad_fn is not None else t.view_as(t) for t in leaves]
+        marked = [t if t.grad_fn is not None and not t._backward_hooks else t.view_as(t)
+                  for t in leaves]
         for t in marked:
             t.register_hook(on_backward)
         if all(m is t for m, t in zip(marked, leaves)):

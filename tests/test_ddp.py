@@ -435,6 +435,36 @@ def test_a_parameter_returned_as_output_syncs_without_piling_up_hooks():
     assert all(not hooks for _, hooks in res)
 
 
+def test_an_output_that_outlives_its_forward_gets_no_pile_of_hooks():
+    """A module that returns its (non-leaf) input: the first forward hooks that tensor,
+    later forwards hook fresh views of it, so each pass is started by its own forward's
+    hook (here the last forward's, which synchronises, after one inside no_sync)."""
+
+    class PassThrough(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, h):
+            return self.lin(h), h
+
+    def body(pg):
+        ddp = DDP(PassThrough(), pg)
+        x = torch.ones(1, 2, requires_grad=True)
+        h = x * (pg.rank + 1)
+        with ddp.no_sync():
+            ddp(h)
+        ddp(h)
+        y, same = ddp(h)
+        (y.sum() + same.sum()).backward()
+        return ddp.module.lin.weight.grad.clone(), len(h._backward_hooks), same is h
+
+    res = run_threads(body, 2, timeout=30)
+    assert all(n_hooks == 1 and not same for _, n_hooks, same in res)
+    assert torch.equal(res[0][0], res[1][0])
+    assert torch.equal(res[0][0], torch.full((2, 2), 1.5))   # avg over ranks of 1 and 2
+
+
 def test_a_buffer_assigned_anew_is_the_one_broadcast():
     """Buffers are found once, at construction, by module and name: a tensor assigned to
     the name later (not updated in place) is what the next forward sends."""

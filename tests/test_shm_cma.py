@@ -143,6 +143,7 @@ def test_the_speed_check_tells_a_slow_kernel_copy_from_a_fast_one():
 
 
 @needs_core
-def test_the_speed_check_measures_the_real_kernel_copy():
+def test_the_speed_check_runs_on_the_real_kernel_copy():
+    """A smoke test: this kernel's copy is measured (whatever it costs here)."""
     ratio = cma.cma_cost_ratio(native.native_module())
     assert 0.0 < ratio < float("inf")

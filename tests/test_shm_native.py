@@ -361,13 +361,18 @@ def _small_hook_job() -> dict:
         return real(self, *args)
 
     cls._small_reduce_native = counted
-    out = {}
+    out = {"counters_agree": []}
+
+    def agree() -> None:   # the core's counter is the phase this rank last published
+        out["counters_agree"].append(pg._native.phase == int(pg._u64[pg._me_arrived]))
+
     try:
         a = np.empty(5, np.float32)
         for op, want in ((ReduceOp.SUM, n * (n - 1) / 2), (ReduceOp.MAX, n - 1)):
             a[:] = me
             pg.all_reduce(a, op)
             out.setdefault("hot", []).append(bool((a == want).all()))
+            agree()
         out["hot_python_calls"] = len(python_calls)
         late = []
         for i in range(2):   # a rank 0.25 s late: past the core's 0.1 s wait
@@ -376,6 +381,7 @@ def _small_hook_job() -> dict:
                 time.sleep(0.25)
             pg.all_reduce(a)
             late.append(bool((a == sum(r + i for r in range(n))).all()))
+            agree()
         out["late"] = late
         big = np.arange(300_000, dtype=np.float64)   # larger than a ring: still in flight
         got = np.empty_like(big)
@@ -386,15 +392,44 @@ def _small_hook_job() -> dict:
         pg.all_reduce(a)
         sent.wait()
         received.wait()
+        agree()
         out["pending"] = (bool((a == n).all()) and np.array_equal(got, big),
                           len(python_calls) - before)
         phase = pg._phase
         pg.barrier()   # (a phase of the Python wrapper: the counters are one)
+        agree()
         out["phase"] = pg._phase - phase
+        last = pg._phase
     finally:
         cls._small_reduce_native = real
         pg.close()
+    out["after_close"] = pg._phase == last   # the counter moved back to Python intact
     return out
+
+
+def _read_only_reduce_job() -> list:
+    """reduce() only reads the input of a rank that is not the root: a read-only array
+    there is fine, at the one-phase size and past it (the core's pipelined path)."""
+    pg = collectives.init_process_group()
+    n, me = pg.size, pg.rank
+    out = []
+    for count in (7, 300_001):
+        a = np.full(count, me + 1.0, np.float32)
+        if me != 0:
+            a.flags.writeable = False
+        pg.reduce(a, dst=0)
+        out.append(bool((a == (n * (n + 1) / 2 if me == 0 else me + 1.0)).all()))
+    b = np.ones(3, np.float32)
+    pg.all_reduce(b)   # the group goes on
+    out.append(bool((b == n).all()))
+    pg.close()
+    return out
+
+
+@needs_core
+def test_a_read_only_input_to_reduce_on_a_non_root_rank():
+    assert collectives.spawn(_read_only_reduce_job, 3, backend="shm", timeout=30,
+                             join_timeout=120) == [[True] * 3] * 3
 
 
 @needs_core
@@ -405,7 +440,8 @@ def test_the_one_phase_all_reduce_is_one_call_of_the_core(nproc):
         assert res["hot"] == [True, True] and res["hot_python_calls"] == 0, res
         assert res["late"] == [True, True], res
         assert res["pending"] == (True, 1), res
-        assert res["phase"] == 1, res
+        assert res["phase"] == 1 and res["after_close"], res
+        assert res["counters_agree"] == [True] * 6, res
 
 
 # --------------------------------------------------------------------------- build

@@ -30,6 +30,8 @@ import collectives
 from collectives import ReduceOp
 from collectives.testing import run_threads
 
+from backends.shm.native import native_module
+
 #: (dtype, operator, elements, byte offset in the buffer): past the one-phase size (32
 #: KiB), odd counts (pieces of unequal length), offsets that are not a piece multiple.
 CASES = [
@@ -203,22 +205,70 @@ def _late_job() -> list:
     out, and the core resumes after the vote."""
     pg = collectives.init_process_group()
     pg._wait_budget = 0.0
-    a = pg.alloc_symmetric(1 << 20).view(np.float32)
-    right = []
-    for i in range(12):
-        a[:] = pg.rank + i
-        if (i + pg.rank) % 3 == 0:
-            time.sleep(0.002 * (i % 4))
-        pg.all_reduce(a)
-        right.append(bool((a == sum(r + i for r in range(pg.size))).all()))
-    pg.close()
-    return right
+    cls = type(pg)
+    real_settle, real_path = cls._settle, cls._symmetric_all_reduce
+    settled, in_place = [], []
+
+    def settle(self, q, again, status):
+        settled.append(q)
+        return real_settle(self, q, again, status)
+
+    def path(self, a, op, seq):
+        went = real_path(self, a, op, seq)
+        in_place.append(went)
+        return went
+
+    cls._settle, cls._symmetric_all_reduce = settle, path
+    try:
+        a = pg.alloc_symmetric(1 << 20).view(np.float32)
+        right = []
+        for i in range(12):
+            a[:] = pg.rank + i
+            if (i + pg.rank) % 3 == 0:
+                time.sleep(0.002 * (i % 4))
+            pg.all_reduce(a)
+            right.append(bool((a == sum(r + i for r in range(pg.size))).all()))
+    finally:
+        cls._settle, cls._symmetric_all_reduce = real_settle, real_path
+        native = pg.native
+        pg.close()
+    return {"right": right, "native": native, "settled": len(settled) > 0,
+            "in_place": in_place == [True] * 12}
 
 
+@pytest.mark.skipif(native_module() is None, reason="backends.shm._native is not built")
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_late_ranks_and_waits_past_the_core_budget(nproc):
-    assert collectives.spawn(_late_job, nproc, backend="shm", timeout=30,
-                             join_timeout=120) == [[True] * 12] * nproc
+    for res in collectives.spawn(_late_job, nproc, backend="shm", timeout=30,
+                                 join_timeout=120):
+        assert res == {"right": [True] * 12, "native": True, "settled": True,
+                       "in_place": True}, res
+
+
+def _two_groups_job() -> dict:
+    """Two groups with buffers at the same index and offset, 2-D arrays (a new flat view
+    every call): each group's plans are its own, found again by place, and right."""
+    pg = collectives.init_process_group()
+    pair = pg.new_group([0, 1])
+    a = pg.alloc_symmetric(1 << 20).view(np.float32).reshape(512, 512)
+    b = pair.alloc_symmetric(1 << 20).view(np.float32).reshape(512, 512)
+    right = []
+    for i in range(3):
+        a[:] = pg.rank + i
+        b[:] = 10.0 * (pg.rank + 1)
+        pg.all_reduce(a)
+        pair.all_reduce(b)
+        right += [bool((a == 1 + 2 * i).all()), bool((b == 30.0).all())]
+    out = {"right": right, "places": (len(pg._symmetric_places), len(pair._symmetric_places)),
+           "shared": (type(pg)._symmetric_places, type(pg)._symmetric_plans)}
+    pair.close()
+    pg.close()
+    return out
+
+
+def test_each_group_keeps_its_own_plans_by_place():
+    for res in collectives.spawn(_two_groups_job, 2, backend="shm", timeout=30):
+        assert res == {"right": [True] * 6, "places": (1, 1), "shared": ({}, {})}, res
 
 
 def _one_rank() -> tuple:

@@ -9,14 +9,14 @@ sizes 1 to 4), and as one job per backend in real processes: ``collectives.spawn
 shm, zmq and gloo, ``mpiexec`` running this file for mpi. Every check returns plain
 floats and digests, so a result travels back from any process as JSON.
 
-An error is ``max |tp - dense| / (ATOL * scale + RTOL * |dense|)``: at most 1 passes. The
-absolute part scales with the magnitudes involved, ``scale = max(1, the largest value
-compared)``, in a transformer block over all its outputs and gradients: a small element
-that is the difference of large products carries the rounding of those products, which
-the tensor-parallel and the dense matmuls accumulate in different orders (on an AVX-512
-machine: 0.0165 off by 1.8e-5 in a gradient whose largest element is 47.6; the key
-bias's gradient, zero but for rounding since softmax ignores a shift shared by a row,
-off by 1e-5).
+An error is ``max |tp - dense| / (ATOL * scale + RTOL * |dense|)``: at most 1 passes.
+``scale`` is 1, except in a transformer block, where the absolute part scales with the
+magnitudes involved: ``scale = max(1, the largest of all its outputs and gradients)``.
+There a small element that is the difference of large products carries the rounding
+of those products, which the tensor-parallel and the dense matmuls accumulate in
+different orders (on an AVX-512 machine: 0.0165 off by 1.8e-5 in a gradient whose
+largest element is 47.6; the key bias's gradient, zero but for rounding since softmax
+ignores a shift shared by a row, off by 1e-5).
 """
 
 from __future__ import annotations
@@ -54,14 +54,14 @@ MPIEXEC = shutil.which(os.environ.get("MPIEXEC") or "mpiexec") or shutil.which("
 
 
 # ------------------------------------------------------------------ helpers
-def _err(tp: torch.Tensor, dense: torch.Tensor, scale: float = 0.0) -> float:
+def _err(tp: torch.Tensor, dense: torch.Tensor, scale: float = 1.0) -> float:
     """How far ``tp`` is from ``dense``, in units of the tolerance (<= 1 passes);
-    ``scale``: the magnitude the absolute part is relative to (at least ``dense``'s)."""
+    ``scale``: the magnitude the absolute part is relative to (at least 1)."""
     if tp.shape != dense.shape:
         return float("inf")
     if tp.numel() == 0:
         return 0.0
-    scale = max(1.0, scale, dense.abs().max().item())
+    scale = max(1.0, scale)
     return ((tp - dense).abs() / (ATOL * scale + RTOL * dense.abs())).max().item()
 
 

@@ -16,7 +16,13 @@
  *    bfloat16 computed in float32 and rounded to nearest-even after every step, as
  *    numpy and ml_dtypes do (float32 has 2p+2 bits for both, so this is also the
  *    correctly rounded result): bitwise what the Python path computes;
- *  - the one-phase small all_reduce/reduce, from input to result in one call.
+ *  - the one-phase small all_reduce/reduce, from input to result in one call (the
+ *    all_reduce also entering its phase and fingerprinting it: small_all_reduce, so
+ *    this file keeps the group's phase counter while the group is on the core);
+ *  - the pipelined large all_reduce/reduce and the all_reduce in symmetric memory,
+ *    each one call through its phases that returns to Python only where a wait
+ *    outlasts its budget (and is called again to go on);
+ *  - the single-copy reads of a peer's memory (process_vm_readv).
  *
  * Control block of rank r (segment.py): uint64 words at ctrl + r * 128: 0 arrived,
  * 1..4 fingerprints (parity 0 at 1, 2; parity 1 at 3, 4), 6 state, 9 sleepers; the
@@ -753,7 +759,8 @@ static PyObject *G_small_reduce(Group *g, PyObject *const *args, Py_ssize_t narg
         || (published = PyObject_IsTrue(args[8])) < 0)
         return NULL;
     if (check_kernel(code, op) < 0) return NULL;
-    if (get_array(args[0], &a, 1, "small_reduce") < 0) return NULL;
+    /* (a rank that wants no result only reads its input: it may be read-only) */
+    if (get_array(args[0], &a, result, "small_reduce") < 0) return NULL;
     if (a.len > g->chunk || a.len % KERNELS[code].itemsize) {
         PyBuffer_Release(&a);
         return PyErr_Format(PyExc_ValueError, "shm native small_reduce: %zd bytes do not "
@@ -932,7 +939,8 @@ static PyObject *G_pipelined(Group *g, PyObject *const *args, Py_ssize_t nargs) 
         || arg_double(args[8], &budget) < 0)
         return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "pipelined: j < 0");
     if (check_kernel(code, op) < 0) return NULL;
-    if (get_array(args[0], &view, 1, "pipelined") < 0) return NULL;
+    /* (a rank that wants no result only reads its input: it may be read-only) */
+    if (get_array(args[0], &view, result, "pipelined") < 0) return NULL;
     int itemsize = KERNELS[code].itemsize;
     /* reduce.py's _piece_layout: pieces of P elements, chunks of n pieces */
     Py_ssize_t piece_bytes = g->chunk / (n + 1) / 64 * 64, align = 64 / itemsize;
@@ -1448,7 +1456,8 @@ static PyMethodDef module_methods[] = {
     {"bind_codes", (PyCFunction)(void (*)(void))m_bind_codes, METH_FASTCALL,
      "bind_codes(ops, dtypes): the ReduceOp members by code and dtype -> code."},
     {"combine", (PyCFunction)(void (*)(void))m_combine, METH_FASTCALL,
-     "combine(out, sources, dtype, op, n): the rank-order reduction, GIL released."},
+     "combine(out, sources, dtype, op, n[, copies]): the rank-order reduction, also "
+     "written into each copy; GIL released."},
     {"cma_read", (PyCFunction)(void (*)(void))m_cma_read, METH_FASTCALL,
      "cma_read(out, pid, addr) -> 0 or -errno: a peer's bytes, one kernel copy."},
     {"cma_reduce", (PyCFunction)(void (*)(void))m_cma_reduce, METH_FASTCALL,

@@ -97,7 +97,8 @@ def cma_cost_ratio(mod, nbytes: int = _PROBE_BYTES, rounds: int = 3) -> float:
 
 def cma_pays_off(mod) -> bool:
     """Whether this process votes for the single-copy path on speed: measured once per
-    process (about a millisecond), at its first all_reduce large enough to ask. On the
+    process (about a millisecond), when its first group on the core is made (outside any
+    collective, so that peers waiting in a phase do not share the cores with it). On the
     2-core VM of the README's figures (Linux 6.18, 4 KiB pages) the kernel's copy costs
     3.5 to 5 times memcpy's and staging won at every size and world size; on the
     machine the path was built on it won by 10-25% from 2 MiB."""

@@ -1,19 +1,24 @@
 """The shm group's hot paths over the compiled core (``_native.c``).
 
 Mixed into ``ShmGroup``. When a group's core is loaded, :meth:`NativePaths._use_native`
-binds the native versions of the phase exchange and of the one-phase reduce over the
-Python ones *on the instance*, so the Python path pays nothing for this file and a
-native group runs exactly the protocol of ``ops``/``reduce``: same slots, same
-fingerprints, same phases, same errors. What differs is who does the work: one C call
-publishes a phase (release order), waits for it (spin, yield, futex; the GIL released)
-and checks the fingerprints; the small reduce copies, publishes, waits and reduces in
-one call. The C wait never raises: it returns after at most ``_LIVENESS_EVERY`` seconds,
-or at once when a missing peer failed or closed, and Python raises what it raises today
-(``CollectiveTimeout``, ``PeerError``, ``CollectiveMismatch``).
+binds the native versions of the phase exchange, the one-phase reduce and the pipelined
+reduce over the Python ones *on the instance* (and ``ShmGroup.__init__`` the all_reduce
+hook, once the engine exists), so a native group runs exactly the protocol of
+``ops``/``reduce``: same slots, same fingerprints, same phases, same errors. The Python
+path pays only for ``_phase``, a property here: while the group is on the core, the core
+keeps the phase counter, because its one-phase all_reduce enters phases without Python.
+What differs is who does the work: one C call publishes a phase (release order), waits
+for it (spin, yield, futex; the GIL released) and checks the fingerprints; the small
+reduce copies, publishes, waits and reduces in one call, as do the pipelined and the
+symmetric all_reduce over their phases. The C wait never raises: it returns after at
+most ``_LIVENESS_EVERY`` seconds, or at once when a missing peer failed or closed, and
+Python raises what it raises today (``CollectiveTimeout``, ``PeerError``,
+``CollectiveMismatch``).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable, Optional
 
@@ -24,6 +29,7 @@ from collectives.reduce_op import ReduceOp
 
 from . import segment as sg
 from .channels import RecvOp
+from .cma import CMA_ENV, cma_pays_off
 from .native import NativeDoorbells, native_module, wait_policy
 from .ops import _DTYPE_CODE, _REDOP_BY_ID, OP_ALL_REDUCE
 from .reduce import ReduceOps
@@ -35,8 +41,9 @@ _SLICE = 0.2
 
 
 class NativePaths:
-    """The native ``_exchange``, ``_small_reduce``, ``_p2p_wait`` and ``_all_reduce``
-    (bound on the instance by ``_use_native``)."""
+    """The native ``_exchange``, ``_small_reduce``, ``_pipelined_reduce`` and
+    ``_p2p_wait`` (bound on the instance by ``_use_native``) and ``_all_reduce`` (by
+    ``ShmGroup.__init__``: ``_all_reduce_hook``)."""
 
     _native = None   # the core's Group for this rank, or None on the Python path
     _native_combine = None   # the core's rank-order reduction (GIL released), or None
@@ -73,6 +80,8 @@ class NativePaths:
         mod = native_module() if self.size > 1 else None
         if mod is None:
             return
+        if os.environ.get(CMA_ENV, "").strip() not in ("0", "1"):
+            cma_pays_off(mod)   # measured now, outside any collective (once per process)
         lay, seg = self._layout, self._seg
         mode = self._bells.mode
         core = mod.Group(seg.mm, lay.ctrl_off, lay.data_off, lay.chunk, self.rank,
@@ -189,40 +198,55 @@ class NativePaths:
         engine exists): a message of the one-phase path is one call of the core
         (``small_all_reduce``: the fast path's call reaches C through this one Python
         frame), anything else (a larger message, point to point in flight, a failed
-        group, a wait that outlasts the core's budget) Python's way."""
+        group) goes to ``_all_reduce_native``, and a wait that outlasts the core's
+        budget to ``_small_all_reduce_waits``. A failure breaks the group, as ``_guard``
+        makes every other collective's."""
         small = self._native.small_all_reduce
         DONE, NOT_TAKEN = self._DONE, self._native_module.NOT_TAKEN
-        engine, budget, slow = self._engine, self._wait_budget, self._all_reduce_native
+        engine, slow = self._engine, self._all_reduce_native
 
         def all_reduce(a: np.ndarray, op: ReduceOp, seq: int) -> None:
             if engine.pending or self._broken is not None:
                 return slow(a, op, seq)
-            status = small(a, op, seq, budget)
+            try:
+                status = small(a, op, seq, self._wait_budget)
+            except BaseException as exc:
+                self._small_all_reduce_state(a, op, seq)
+                self._fail(exc)
+                raise
             if status != DONE:
                 if status == NOT_TAKEN:
                     return slow(a, op, seq)
                 self._small_all_reduce_waits(a, op, seq, status)
         return all_reduce
 
+    def _small_all_reduce_state(self, a: np.ndarray, op: ReduceOp, seq: int) -> tuple:
+        """What ``small_all_reduce`` entered its phase with, into the group's state for
+        errors (``_op_name``, ``_op_seq``, ``_fp0``, ``_fp1``); returns (fp0, nbytes,
+        dtype code, operator code)."""
+        self._op_name, self._op_seq = "all_reduce", seq
+        code, redop = _DTYPE_CODE.get(a.dtype, 0), _REDOP_BY_ID.get(id(op), 0)
+        fp0 = self._fp0 = (OP_ALL_REDUCE | (redop << 4) | (code << 8)
+                           | ((seq & 0xFFFFFFFF) << 32))
+        nbytes = self._fp1 = a.nbytes
+        return fp0, nbytes, code, redop
+
     def _small_all_reduce_waits(self, a: np.ndarray, op: ReduceOp, seq: int,
                                 status: int) -> None:
         """After ``small_all_reduce`` came back without its phase done: what
         ``_small_reduce_native`` does then (wait it out, or raise)."""
         try:
-            self._op_name, self._op_seq = "all_reduce", seq
-            code, redop = _DTYPE_CODE.get(a.dtype, 0), _REDOP_BY_ID.get(id(op), 0)
-            fp0 = self._fp0 = (OP_ALL_REDUCE | (redop << 4) | (code << 8)
-                               | ((seq & 0xFFFFFFFF) << 32))
-            nbytes = self._fp1 = a.nbytes
+            fp0, nbytes, code, redop = self._small_all_reduce_state(a, op, seq)
             self._small_waits(a, self._phase, fp0, nbytes, code, redop, True, status)
         except BaseException as exc:
             self._fail(exc)
             raise
 
     def _all_reduce_native(self, a: np.ndarray, op: ReduceOp, seq: int) -> None:
-        """The all_reduce hook on the core: a message of the one-phase path goes to
-        ``_small_reduce_native`` at once (``ReduceOps._reduce_into``'s frames are a
-        tenth of a small all_reduce's time), a larger one the way it always goes."""
+        """The all_reduce hook's way where the core's one call does not serve: a
+        message of the one-phase path goes to ``_small_reduce_native`` at once
+        (``ReduceOps._reduce_into``'s frames are a tenth of a small all_reduce's time),
+        a larger one the way it always goes."""
         if a.nbytes > self._small_bytes:
             return self._reduce_into(a, op, seq, -1, OP_ALL_REDUCE)
         try:

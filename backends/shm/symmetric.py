@@ -72,8 +72,10 @@ class SymmetricHeap:
     _symmetric: tuple = ()
     _symmetric_count = 0
     #: id(array) -> (array, dtype, (i + 1, o), own piece or None, the pieces to reduce in
-    #: rank order, the peers' copies of the piece): see _symmetric_plan.
+    #: rank order, the peers' copies of the piece), and the same by ((i + 1, o), nbytes,
+    #: dtype): see _symmetric_plan. (Empty here; a group writes only into its own.)
     _symmetric_plans: dict = {}
+    _symmetric_places: dict = {}
 
     def _alloc_symmetric(self, nbytes: int, where: str) -> np.ndarray:
         index = self._symmetric_count
@@ -179,13 +181,23 @@ class SymmetricHeap:
         return 0, 0
 
     def _symmetric_plan(self, a: np.ndarray) -> tuple:
-        """What an all_reduce of ``a`` needs to know, worked out once per array (see
+        """What an all_reduce of ``a`` needs to know, worked out once per place (see
         ``_symmetric_plans``): where it lies, this rank's piece of it (None where the
         piece is empty), that piece in every rank's buffer in rank order (the sources),
-        and in every peer's (where the result is pushed)."""
+        and in every peer's (where the result is pushed). Kept by the array's identity
+        (a persistent request's or DDP's array: the next call finds it at once) and by
+        its place, address, size and dtype (a new view of the same memory each call, as
+        ``reshape(-1)`` of a 2-D array makes, finds it there; the views in the plan are
+        of the same memory, so they serve it alike)."""
         where = self._symmetric_place(a)
-        piece, srcs, copies = None, [], []
-        if where[0]:
+        if not where[0]:
+            return (a, a.dtype, where, None, [], [])
+        if "_symmetric_places" not in self.__dict__:   # this group's own tables
+            self._symmetric_plans, self._symmetric_places = {}, {}
+        place = (where, a.nbytes, a.dtype)
+        plan = self._symmetric_places.get(place)
+        if plan is None:
+            piece, srcs, copies = None, [], []
             lo, me = where[1], self.rank
             mapped = self._symmetric[where[0] - 1][2]
             k0, k1 = piece_bounds(a.size, self.size, a.itemsize)[me]
@@ -196,12 +208,14 @@ class SymmetricHeap:
                     srcs.append(piece if r == me else view)
                     if r != me:
                         copies.append(view)
-        plan = (a, a.dtype, where, piece, srcs, copies)
-        if where[0]:
-            plans = self._symmetric_plans
-            if not plans or len(plans) >= _PLANS_MAX:
-                plans = self._symmetric_plans = {}   # (the instance's own dict)
-            plans[id(a)] = plan
+            plan = (a, a.dtype, where, piece, srcs, copies)
+            if len(self._symmetric_places) >= _PLANS_MAX:
+                self._symmetric_places = {}
+            self._symmetric_places[place] = plan
+        if plan[0] is a:
+            if len(self._symmetric_plans) >= _PLANS_MAX:
+                self._symmetric_plans = {}
+            self._symmetric_plans[id(a)] = plan
         return plan
 
     def _symmetric_all_reduce(self, a: np.ndarray, op: ReduceOp, seq: int) -> bool:
@@ -272,4 +286,5 @@ class SymmetricHeap:
         rank's own buffers stay valid: their arrays hold their mappings."""
         self._symmetric = ()
         self._symmetric_plans = {}
+        self._symmetric_places = {}
 
