@@ -75,7 +75,9 @@ def test_the_broken_all_reduce_is_caught_with_a_shrunk_case():
     documented = re.search(r"```\n(.*?)\n```", README[shown:], re.S).group(1)
     for line in documented.splitlines():  # exactly what the README says, line by line
         assert line in done.stderr, f"{line!r} not in the output:\n{done.stderr[-3000:]}"
-    assert "Falsifying example" in done.stderr
+    # hypothesis shows the shrunk case ("Falsifying example: ..." in 6.155 and earlier,
+    # "Failing test case: ..." in 6.170, the release a fresh install takes today)
+    assert "Falsifying example" in done.stderr or "Failing test case" in done.stderr
     assert seconds < SECONDS_PER_BACKEND
 
 
