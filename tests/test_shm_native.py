@@ -271,8 +271,19 @@ def _both_paths_job() -> dict:
             out["bad"].append(f"point to point on the group with native={g.native}")
     # A thread of this rank runs while the core waits (the peer comes 0.3 s late) and
     # while it moves a large message: the GIL is released in both.
+    # The large case runs on a group of 1 MiB slots (a few phases per call, not the 200
+    # of the job's 64 KiB ones) five times over, with a short switch interval: a thread
+    # must get a core and the GIL within the call's releases, one pipelined 8 MiB
+    # all_reduce on the core can be over in half a millisecond, and at each phase the
+    # main thread takes the GIL back.
+    chunk = os.environ["COLLECTIVES_SHM_CHUNK_BYTES"]
+    os.environ["COLLECTIVES_SHM_CHUNK_BYTES"] = str(1 << 20)
+    wide = pg.new_group([0, 1])
+    os.environ["COLLECTIVES_SHM_CHUNK_BYTES"] = chunk
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.001)
     counts = []
-    for size, late in ((1, 0.3), (8 << 20, 0.0)):
+    for group, size, late, calls in ((pg, 1, 0.3, 1), (wide, 8 << 20, 0.0, 5)):
         stop, ticks = threading.Event(), [0]
 
         def spin():
@@ -280,17 +291,21 @@ def _both_paths_job() -> dict:
                 ticks[0] += 1
         t = threading.Thread(target=spin)
         x = np.ones(size, np.float32)
-        pg.barrier()
+        group.barrier()
         if me == 1:
             time.sleep(late)
         t.start()
         time.sleep(0.01)
         before = ticks[0]
-        pg.all_reduce(x)
+        for _ in range(calls):
+            group.all_reduce(x)
         counts.append(ticks[0] - before)
         stop.set()
         t.join()
-        out["bad"] += [] if x[0] == 2 else [f"all_reduce of {size} gave {x[0]}"]
+        want = 2.0 ** calls
+        out["bad"] += [] if x[0] == want else [f"all_reduce of {size} gave {x[0]}, not {want}"]
+    sys.setswitchinterval(interval)
+    wide.close()
     out["ticks"] = counts
     for g in (mixed, python):
         g.close()
