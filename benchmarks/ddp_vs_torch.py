@@ -19,6 +19,16 @@ efficiency against one process, 1.0 ideal). ``--threads`` compute threads per ra
 (default 1, so that N ranks use N cores). ``plain`` is one process without any wrapper
 (``--no-plain`` leaves it out): the ceiling of one rank.
 
+``independent`` is N processes that each train their own plain model at the same time
+and never communicate (a barrier starts their clocks together; the slowest one's time,
+as for every row): the machine's own ceiling for N ranks, which no data-parallel
+wrapper can pass. Its ``scaling`` says how much of N times one process the host gives
+N busy processes at all (on a shared VM it can be far below 1.0: its vCPUs may share
+cores or be descheduled), and ``of ceiling`` (every row of world N) is the median over
+rounds of a run's samples/s over the independent run's of the same round: the part of
+the gap that is the wrapper's and its communication's (``--no-independent`` leaves the
+row out).
+
 Backend ``mpi`` runs under ``mpiexec`` (this script re-executes itself with a hidden
 ``--mpi-rank`` flag); without mpiexec or mpi4py it is skipped with the reason, as is any
 backend that is not installed.
@@ -112,6 +122,21 @@ def run_plain(threads: int, batch: int, steps: int, warmup: int, cap_mb: float) 
     return _train(build_mlp(SEED), 0, batch, steps, warmup, lambda: None)
 
 
+def run_independent(threads: int, batch: int, steps: int, warmup: int,
+                    cap_mb: float) -> float:
+    """One of N processes each training its own plain model, no communication between
+    them but the barrier that starts their clocks together and the final maximum of
+    their times (the ceiling row); returns the slowest one's seconds."""
+    from collectives import ReduceOp
+    torch.set_num_threads(threads)
+    pg = collectives.init_process_group("shm", timeout=300)
+    seconds = torch.tensor([_train(build_mlp(SEED), pg.rank, batch, steps, warmup,
+                                   pg.barrier)], dtype=torch.float64)
+    pg.all_reduce(seconds, ReduceOp.MAX)
+    pg.close()
+    return float(seconds[0])
+
+
 def run_mpi(n: int, work: tuple, timeout: float) -> float:
     """parallel.DDP on the mpi backend, ``n`` ranks started by mpiexec; the slowest rank's
     seconds (RuntimeError with mpiexec's output if it fails)."""
@@ -131,6 +156,8 @@ def main() -> int:
     p.add_argument("--backends", default="shm,zmq,gloo,mpi",
                    help="backends for parallel.DDP, comma separated")
     p.add_argument("--no-plain", action="store_true", help="leave out the one-process row")
+    p.add_argument("--no-independent", action="store_true",
+                   help="leave out the row of N processes that never communicate")
     add_run_options(p, batch=BATCH, steps=300,
                     bucket_help="gradient bucket size of both DDPs (the MLP's gradients are "
                                 "0.83 MiB: below that, several buckets and overlap)")
@@ -140,6 +167,8 @@ def main() -> int:
 
     worlds = [int(v) for v in a.world.split(",") if v]
     cases: list[tuple[str, str, int]] = [] if a.no_plain else [("plain", "-", 1)]
+    if not a.no_independent:
+        cases += [("independent", "-", n) for n in worlds if n > 1]
     for backend in (b for b in a.backends.split(",") if b):
         why = unavailable(backend)
         if why:
@@ -158,6 +187,9 @@ def main() -> int:
         impl, backend, n = case
         if impl == "plain":
             return run_plain(*work)
+        if impl == "independent":
+            return collectives.spawn(run_independent, n, args=work, env=env,
+                                     join_timeout=a.timeout)[0]
         if impl == "torch DDP":
             return collectives.spawn(run_torch, n, args=work, env=env,
                                      join_timeout=a.timeout)[0]
@@ -178,9 +210,15 @@ def main() -> int:
                      "samples_per_s_runs": [a.steps * a.batch_size * n / s for s in runs]})
     torch_rate = {r["world_size"]: r["samples_per_s"] for r in rows if r["impl"] == "torch DDP"}
     plain = next((r["samples_per_s_runs"] for r in rows if r["impl"] == "plain"), None)
+    ceiling = {r["world_size"]: r["samples_per_s_runs"] for r in rows
+               if r["impl"] == "independent"}
     for r in rows:
-        if r["world_size"] in torch_rate and r["impl"] != "plain":
+        if r["world_size"] in torch_rate and r["impl"] not in ("plain", "independent"):
             r["ratio_to_torch_ddp"] = r["samples_per_s"] / torch_rate[r["world_size"]]
+        if r["world_size"] in ceiling and r["impl"] != "independent":
+            r["of_ceiling_runs"] = [s / c for s, c in
+                                    zip(r["samples_per_s_runs"], ceiling[r["world_size"]])]
+            r["of_ceiling"] = statistics.median(r["of_ceiling_runs"])
         if plain is not None and r["impl"] != "plain":
             # Scaling efficiency against one process, round by round (each run beside
             # the plain run of its own round, so that a slow spell of the machine hits
@@ -190,15 +228,18 @@ def main() -> int:
             r["scaling"] = statistics.median(r["scaling_runs"])
 
     print(f"{'impl':<14}{'backend':<9}{'world':>6}{'ms/step':>10}{'samples/s':>12}"
-          f"{'vs torch DDP':>14}{'scaling':>9}   samples/s of each run (scaling)")
+          f"{'vs torch DDP':>14}{'scaling':>9}{'of ceiling':>12}   samples/s of each run "
+          f"(scaling)")
     for r in rows:
         ratio, scaling = r.get("ratio_to_torch_ddp"), r.get("scaling")
+        of_ceiling = r.get("of_ceiling")
         runs = " ".join(f"{s:.0f}" for s in r["samples_per_s_runs"])
         if scaling is not None:
             runs += " (" + " ".join(f"{e:.2f}" for e in r["scaling_runs"]) + ")"
         print(f"{r['impl']:<14}{r['backend']:<9}{r['world_size']:>6}{r['ms_per_step']:>10.3f}"
               f"{r['samples_per_s']:>12.1f}{'' if ratio is None else f'{ratio:.3f}':>14}"
-              f"{'' if scaling is None else f'{scaling:.3f}':>9}   {runs}")
+              f"{'' if scaling is None else f'{scaling:.3f}':>9}"
+              f"{'' if of_ceiling is None else f'{of_ceiling:.3f}':>12}   {runs}")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
     return 0

@@ -208,8 +208,10 @@ class PersistentRequest:
         ``wait()`` takes the round back. ``run()`` numbers, records and runs it like a
         blocking collective instead (after the group's queued async ops, in issue order).
         """
-        self._ready_to_start("run")
         g = self._group
+        if self._work is not None or self._freed or g._closed:
+            self._ready_to_start("run")   # raises what is wrong
+        self._rebind_if_moved()
         if g._fast and self._zero_copy and not g._pending:  # as a blocking call's fast path
             g._run_numbered(self._op, self._call, (), self._shape, self._dtype, -1,
                             self._reduce_op)

@@ -465,6 +465,30 @@ def test_an_output_that_outlives_its_forward_gets_no_pile_of_hooks():
     assert torch.equal(res[0][0], torch.full((2, 2), 1.5))   # avg over ranks of 1 and 2
 
 
+def test_hooks_the_user_puts_on_an_output_join_ours():
+    """DDP puts its hook on an output without torch's wrapper (one dictionary given to
+    the grad_fn); a hook the user registers on that output afterwards still runs in
+    the same pass, and its handle still removes it."""
+
+    def body(pg):
+        ddp = DDP(nn.Linear(2, 2, bias=False), pg)
+        x = torch.ones(1, 2) * (pg.rank + 1)
+        out = ddp(x)
+        doubled = out.register_hook(lambda g: g * 2)
+        out.sum().backward()
+        first = ddp.module.weight.grad.clone()
+        ddp.module.weight.grad.zero_()
+        out = ddp(x)
+        out.register_hook(lambda g: g * 2).remove()
+        out.sum().backward()
+        return first, ddp.module.weight.grad.clone(), doubled.id in out._backward_hooks
+
+    res = run_threads(body, 2, timeout=30)
+    for first, second, stale in res:
+        assert torch.equal(first, torch.full((2, 2), 3.0))    # 2 x avg(1, 2)
+        assert torch.equal(second, torch.full((2, 2), 1.5)) and not stale
+
+
 def test_a_buffer_assigned_anew_is_the_one_broadcast():
     """Buffers are found once, at construction, by module and name: a tensor assigned to
     the name later (not updated in place) is what the next forward sends."""
@@ -502,6 +526,47 @@ def test_no_sync_sends_nothing():
     res = run_threads(body, 2, timeout=30)
     assert [r[:2] for r in res] == [(0, 1), (0, 1)]
     assert torch.equal(res[0][2], torch.full((2,), 4.0))   # mean over ranks of 4 x 1
+
+
+def test_a_backward_around_the_outputs_accumulates_until_the_next_synced_one():
+    """A backward that reaches the parameters without going through an output of ours
+    (here a penalty on the weights alone) sends nothing and accumulates locally, in every
+    bucket (buckets of one parameter each: the earlier ones with hooks, the last
+    without); the next synchronised backward averages the sum. A parameter that a
+    synchronised pass reaches before any output (its only use is in the penalty, so its
+    gradient may land first) is averaged with the rest."""
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(2, 2, bias=False)
+            self.b = nn.Linear(2, 2, bias=False)
+            self.unused = nn.Parameter(torch.zeros(2))
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    def body(pg):
+        recorder = _Recorder(pg)
+        ddp = DDP(Two(), recorder, bucket_cap_mb=1e-6)   # one parameter per bucket
+        m, k = ddp.module, float(pg.rank + 1)
+        with torch.no_grad():
+            m.a.weight.fill_(1.0)
+            m.b.weight.fill_(1.0)
+        (k * sum(p.sum() for p in m.parameters())).backward()   # no output of ours
+        sent = len(recorder.issued)
+        x = torch.ones(1, 2)
+        (ddp(x).sum() + k * m.unused.sum()).backward()
+        return (sent, len(recorder.issued), len(ddp.buckets),
+                [p.grad.clone() for p in m.parameters()])
+
+    res = run_threads(body, 2, timeout=30)
+    assert [r[:3] for r in res] == [(0, 3, 3), (0, 3, 3)]
+    gu, ga, gb = res[0][3]   # (the module's own parameter comes first)
+    assert all(torch.equal(x, y) for x, y in zip(res[0][3], res[1][3]))
+    # a: penalty avg(1, 2) = 1.5, output 2 (sum over b's rows); b: 1.5 + 2 (a(x) = [2, 2])
+    assert torch.equal(ga, torch.full((2, 2), 3.5)) and torch.equal(gb, torch.full((2, 2), 3.5))
+    assert torch.equal(gu, torch.full((2,), 3.0))   # avg over ranks of 2 x k
 
 
 def test_synced_backwards_accumulate_like_one_process():

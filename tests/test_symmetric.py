@@ -57,18 +57,51 @@ def _values(dt: np.dtype, n: int, rng: np.random.Generator) -> np.ndarray:
     return rng.standard_normal(n).astype(dt)
 
 
-def _job() -> dict:
-    pg = collectives.init_process_group()
-    cls = type(pg)
-    taken = []
-    real = cls._symmetric_all_reduce
+def _spy_in_place(cls, taken: list, bound: list) -> tuple:
+    """Make the group class note in ``taken`` whether each large all_reduce went in
+    place (True) or past a declined vote (False), by either way there: the plain path
+    (``_symmetric_all_reduce``) or a persistent request's round bound on the core
+    (``_symmetric_round``, whose uses are also counted in ``bound``). Returns what to
+    put back."""
+    real, real_round, real_rest = (cls._symmetric_all_reduce, cls._symmetric_round,
+                                   cls._large_reduce_unplaced)
+    declined = []
 
     def spy(self, a, op, seq):
         went = real(self, a, op, seq)
         taken.append(went)
         return went
 
-    cls._symmetric_all_reduce = spy
+    def rest(self, *args):
+        declined.append(True)
+        return real_rest(self, *args)
+
+    def round_spy(self, a, op):
+        round_ = real_round(self, a, op)
+        if round_ is None:
+            return None
+
+        def counted(seq):
+            before = len(declined)
+            round_(seq)
+            bound.append(True)
+            taken.append(len(declined) == before)
+        return counted
+
+    cls._symmetric_all_reduce, cls._symmetric_round = spy, round_spy
+    cls._large_reduce_unplaced = rest
+    return real, real_round, real_rest
+
+
+def _unspy(cls, saved: tuple) -> None:
+    cls._symmetric_all_reduce, cls._symmetric_round, cls._large_reduce_unplaced = saved
+
+
+def _job() -> dict:
+    pg = collectives.init_process_group()
+    cls = type(pg)
+    taken, bound = [], []
+    saved = _spy_in_place(cls, taken, bound)
     out: dict = {"rank": pg.rank}
     try:
         rng = np.random.default_rng(pg.rank)
@@ -114,6 +147,27 @@ def _job() -> dict:
         req.run()
         rounds.append(taken == [True] and bool((flat == (pg.size - 1) / 2).all()))
         out["persistent"] = rounds
+        out["bound"] = len(bound) == 4   # the rounds ran the round bound on the core
+
+        # Ranks that mix the ways in one call: rank 0 by its persistent round, the others
+        # by a plain all_reduce of the same place; then a round whose vote declines (the
+        # last rank's array lies one element further on): the other paths, still right.
+        flat.fill_(pg.rank + 1)
+        taken.clear()
+        if pg.rank == 0:
+            req.run()
+        else:
+            pg.all_reduce(flat, ReduceOp.AVG)
+        mixed = taken == [True] and bool((flat == (pg.size + 1) / 2).all())
+        shifted = 4 if pg.rank == pg.size - 1 else 0
+        other = torch.frombuffer(buf, dtype=torch.float32, count=50_000,
+                                 offset=(1 << 20) + shifted)
+        other_req = pg.all_reduce_init(other, ReduceOp.SUM)
+        other.fill_(pg.rank + 1)
+        taken.clear()
+        other_req.run()
+        out["mixed"] = [mixed, taken == [False],
+                        bool((other == pg.size * (pg.size + 1) / 2).all())]
 
         try:
             pg.alloc_symmetric(4096 + 64 * pg.rank)
@@ -167,7 +221,7 @@ def _job() -> dict:
 
         pg.barrier()
     finally:
-        cls._symmetric_all_reduce = real
+        _unspy(cls, saved)
         pg.close()
     buf[:4] = 7  # still this rank's memory after close
     out["after_close"] = buf[:4].tolist() == [7] * 4
@@ -184,6 +238,7 @@ def test_all_reduce_in_symmetric_memory(nproc, native):
             assert res["as_plain"] and res["same_everywhere"], res
             assert res["in_place"] == (res["case"][-1] == "same offset"), res
         assert out["persistent"] == [True] * 4
+        assert out["bound"] == (native == "1") and out["mixed"] == [True] * 3
         assert "same `nbytes`" in out["mismatch"] and "alloc_symmetric" in out["mismatch"]
         assert f"rank {out['rank']}/{nproc}" in out["mismatch"] and out["after_mismatch"]
         assert out["ddp_buckets_shared"] and out["ddp_in_place"]
@@ -206,34 +261,35 @@ def _late_job() -> list:
     pg = collectives.init_process_group()
     pg._wait_budget = 0.0
     cls = type(pg)
-    real_settle, real_path = cls._settle, cls._symmetric_all_reduce
-    settled, in_place = [], []
+    real_settle = cls._settle
+    settled, in_place, bound = [], [], []
 
     def settle(self, q, again, status):
         settled.append(q)
         return real_settle(self, q, again, status)
 
-    def path(self, a, op, seq):
-        went = real_path(self, a, op, seq)
-        in_place.append(went)
-        return went
-
-    cls._settle, cls._symmetric_all_reduce = settle, path
+    cls._settle = settle
+    saved = _spy_in_place(cls, in_place, bound)
     try:
         a = pg.alloc_symmetric(1 << 20).view(np.float32)
+        req = pg.all_reduce_init(a)   # (every other call: its round bound on the core)
         right = []
         for i in range(12):
             a[:] = pg.rank + i
             if (i + pg.rank) % 3 == 0:
                 time.sleep(0.002 * (i % 4))
-            pg.all_reduce(a)
+            if i % 2:
+                req.run()
+            else:
+                pg.all_reduce(a)
             right.append(bool((a == sum(r + i for r in range(pg.size))).all()))
     finally:
-        cls._settle, cls._symmetric_all_reduce = real_settle, real_path
+        cls._settle = real_settle
+        _unspy(cls, saved)
         native = pg.native
         pg.close()
     return {"right": right, "native": native, "settled": len(settled) > 0,
-            "in_place": in_place == [True] * 12}
+            "in_place": in_place == [True] * 12, "bound": len(bound)}
 
 
 @pytest.mark.skipif(native_module() is None, reason="backends.shm._native is not built")
@@ -242,7 +298,7 @@ def test_late_ranks_and_waits_past_the_core_budget(nproc):
     for res in collectives.spawn(_late_job, nproc, backend="shm", timeout=30,
                                  join_timeout=120):
         assert res == {"right": [True] * 12, "native": True, "settled": True,
-                       "in_place": True}, res
+                       "in_place": True, "bound": 6}, res
 
 
 def _two_groups_job() -> dict:

@@ -8,6 +8,10 @@ Two ranks::
     req = pg.all_reduce_init(t)     # 4 KiB of float32: the one-phase path, bound now
     req.start(); req.wait()         # one phase: publish, wait for the peer, reduce
 
+An all_reduce past the one-phase size of an array in symmetric memory, on the core
+(DDP's bucket), gets a round bound once by the group (``_symmetric_round``): one Python
+frame between the request and the core's call, where the large path has five.
+
 A phase function this module expects and the group lacks (its internals change) means
 None: the base class's default round, through the group's hooks, is used instead.
 """
@@ -35,6 +39,10 @@ def persistent_call(group: Any, op: str, arrays: Sequence[np.ndarray],
         if impl is None:
             return None
         fail = group._fail
+        bound = getattr(group, "_symmetric_round", None)
+        round_ = None if small or bound is None else bound(a, reduce_op)
+        if round_ is not None:   # in symmetric memory, on the core: one frame to C
+            return round_
 
         def all_reduce(seq: int) -> None:
             try:

@@ -89,6 +89,11 @@ class ReduceOps:
         (``cma.py``), everything else is pipelined through the segment."""
         if dst < 0 and self._symmetric and self._symmetric_all_reduce(a, op, seq):
             return  # read in place from every rank's symmetric buffer (symmetric.py)
+        self._large_reduce_unplaced(a, op, seq, dst, opcode)
+
+    def _large_reduce_unplaced(self, a: np.ndarray, op: ReduceOp, seq: int, dst: int,
+                               opcode: int) -> None:
+        """``_large_reduce`` once symmetric memory is ruled out (the vote declined)."""
         if dst < 0 and a.nbytes >= self._cma_bytes and self._cma is not False \
                 and self._cma_all_reduce(a, op, seq):
             return
