@@ -1,0 +1,173 @@
+"""Where a step of parallel.DDP goes, on the model and batch of ``benchmarks/ddp_vs_torch.py``.
+
+    python benchmarks/ddp_breakdown.py                 # shm, 2 ranks, 3 rounds
+    python benchmarks/ddp_breakdown.py --backend mpi --rounds 5
+
+Two measurements per round, each beside a plain model in the same round:
+
+- **wrapper**: one process, a world of one (no message moves), a plain model and a DDP
+  model trained in turns of ``--block`` steps, ``--blocks`` times; the median over turns
+  of (DDP's step - the plain step before it) is what the wrapper costs in a training step
+  (hooks, end-of-backward callback, bucket bookkeeping, the persistent round's
+  numbering). In turns, so that a slow spell of the machine hits both alike.
+- **2 ranks**: ``--steps`` synchronised steps on ``--backend``, each rank noting when it
+  entered and left its last bucket's round (CLOCK_MONOTONIC: one clock for every process
+  of the host). Reported per step, as medians: each rank's step, the round's time after
+  the later rank arrived (the all_reduce itself, with its Python) and how far apart the
+  ranks arrived (median and mean: now and then one vCPU stalls and the other waits).
+  ``efficiency`` is the plain step over the slower rank's.
+
+The round is timed through a thin wrapper around the bucket's persistent request (one
+Python call more than a plain run). This file may reach into parallel.DDP's internals: it
+is a benchmark, not part of ``parallel/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import collectives  # noqa: E402
+from examples.common.harness import build_mlp  # noqa: E402
+from examples.common.mnist import load_mnist  # noqa: E402
+
+BATCH, LR, SEED = 32, 0.05, 0
+
+
+class _Stepper:
+    """One model, its SGD and a fixed set of batches: ``step()`` is one training step."""
+
+    def __init__(self, model: torch.nn.Module, rank: int) -> None:
+        x, y = map(torch.from_numpy, load_mnist(None, "train"))
+        gen = torch.Generator().manual_seed(rank)
+        self.batches = [(x[i], y[i]) for i in
+                        (torch.randint(0, len(x), (BATCH,), generator=gen) for _ in range(16))]
+        self.model = model
+        self.opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        self.i = 0
+
+    def step(self) -> None:
+        xb, yb = self.batches[self.i % len(self.batches)]
+        self.i += 1
+        loss = F.cross_entropy(self.model(xb), yb)
+        self.opt.zero_grad(set_to_none=False)
+        loss.backward()
+        self.opt.step()
+
+    def seconds_per_step(self, steps: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.step()
+        return (time.perf_counter() - t0) / steps
+
+
+def wrapper_cost(block: int, blocks: int) -> dict:
+    """World of one: the plain model and DDP in turns; microseconds per step."""
+    from parallel import DDP
+    torch.set_num_threads(1)
+    pg = collectives.init_process_group("shm")
+    try:
+        plain = _Stepper(build_mlp(SEED), 0)
+        ddp = _Stepper(DDP(build_mlp(SEED), pg), 0)
+        for s in (plain, ddp):
+            s.seconds_per_step(block)   # warm-up
+        rows = [(plain.seconds_per_step(block), ddp.seconds_per_step(block))
+                for _ in range(blocks)]
+    finally:
+        pg.close()
+    return {"plain_us": statistics.median(p for p, _ in rows) * 1e6,
+            "wrapper_us": statistics.median(d - p for p, d in rows) * 1e6}
+
+
+class _TimedRequest:
+    """The last bucket's request, its rounds timed (enter, leave) on CLOCK_MONOTONIC."""
+
+    def __init__(self, request, marks: list) -> None:
+        self._request, self._marks = request, marks
+
+    def __getattr__(self, name):
+        return getattr(self._request, name)
+
+    def run(self) -> None:
+        t0 = time.monotonic()
+        self._request.run()
+        self._marks.append((t0, time.monotonic()))
+
+
+def _rank(backend: str, steps: int, warmup: int) -> dict:
+    from parallel import DDP
+    torch.set_num_threads(1)
+    pg = collectives.init_process_group(backend, timeout=300)
+    try:
+        model = DDP(build_mlp(SEED), pg)
+        marks: list = []
+        last = model.buckets[-1]
+        last._request = _TimedRequest(last._request, marks)
+        stepper = _Stepper(model, pg.rank)
+        for _ in range(warmup):
+            stepper.step()
+        pg.barrier()
+        marks.clear()
+        per_step = stepper.seconds_per_step(steps)
+    finally:
+        pg.close()
+    return {"per_step": per_step, "marks": marks}
+
+
+def two_ranks(backend: str, steps: int, warmup: int, timeout: float) -> dict:
+    results = collectives.spawn(_rank, 2, args=(backend, steps, warmup),
+                                env={"OMP_NUM_THREADS": "1"}, join_timeout=timeout)
+    enter = np.array([[a for a, _ in r["marks"]] for r in results])
+    leave = np.array([[b for _, b in r["marks"]] for r in results])
+    skew = np.abs(enter[0] - enter[1]) * 1e6
+    after_last = (leave.max(0) - enter.max(0)) * 1e6
+    return {"step_us": [r["per_step"] * 1e6 for r in results],
+            "round_after_last_us": float(np.median(after_last)),
+            "skew_median_us": float(np.median(skew)), "skew_mean_us": float(skew.mean())}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", default="shm", help="backend of the 2-rank run")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=800, help="timed steps of the 2-rank run")
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--block", type=int, default=20, help="steps per turn (world of one)")
+    p.add_argument("--blocks", type=int, default=60, help="turns per model (world of one)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per 2-rank run")
+    a = p.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    print(f"# examples/ddp.py's MNIST MLP, batch {BATCH}/rank, 1 thread/rank; load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
+    print(f"{'round':>5}{'plain us':>10}{'wrapper us':>12}{'plain us':>10}"
+          f"{'rank 0 us':>11}{'rank 1 us':>11}{'round after':>13}{'skew med':>10}"
+          f"{'skew mean':>11}{'efficiency':>12}")
+    for r in range(a.rounds):
+        w = wrapper_cost(a.block, a.blocks)
+        plain = _Stepper(build_mlp(SEED), 0)
+        plain.seconds_per_step(a.warmup)
+        plain_us = plain.seconds_per_step(a.steps) * 1e6
+        t = two_ranks(a.backend, a.steps, a.warmup, a.timeout)
+        print(f"{r:>5}{w['plain_us']:>10.1f}{w['wrapper_us']:>12.1f}{plain_us:>10.1f}"
+              f"{t['step_us'][0]:>11.1f}{t['step_us'][1]:>11.1f}"
+              f"{t['round_after_last_us']:>13.1f}{t['skew_median_us']:>10.1f}"
+              f"{t['skew_mean_us']:>11.1f}{plain_us / max(t['step_us']):>12.3f}", flush=True)
+    print("# wrapper: DDP's extra us per step in a world of one (median of paired turns); "
+          "round after: the last bucket's round after the later rank arrived; skew: how "
+          "far apart the ranks arrived at it; efficiency: plain step / slower rank's step")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
