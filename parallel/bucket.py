@@ -207,10 +207,10 @@ class Bucket:
 
     def run_adopted(self) -> bool:
         """``fill_missing(); launch(blocking=True); finish()`` in one call, for the last
-        bucket at the end of backward in the common case: no hook marked a gradient
-        (the last bucket's hooks only start a pass) and every ``.grad`` is its view
-        already, so there is nothing to adopt, every flag is 1 and the round runs at
-        once on this thread. Returns False, having changed nothing, where that is not
+        bucket at the end of backward in the common case: no gradient was marked (the
+        last bucket's hooks only start a pass) and every ``.grad`` is its view already,
+        so there is nothing to adopt, every flag is 1 and the round runs at once on this
+        thread. Returns False, having changed nothing, where that is not
         the case (the caller then takes the three steps). In a training step the
         caches are cold and every Python frame costs a microsecond or two: the three
         steps are four frames more than this one."""

@@ -24,22 +24,22 @@ Accelerating Data Parallel Training", VLDB 2020, arXiv 2006.15704):
 2. ``forward`` puts a hook on the module's outputs; backward reaches it before any
    gradient of the module's parameters, and it queues a callback that the autograd
    engine runs once the whole pass has finished (also on a rank where no parameter
-   receives a gradient, which then still launches every bucket). A synchronised pass
-   is one that goes through an output of a forward run with gradients enabled (as in
-   torch's DDP): a backward that reaches the parameters some other way (only through a
-   penalty on the weights, say) accumulates their gradients locally, as under
-   :meth:`no_sync`, and the next synchronised pass averages the sum.
-3. A post-accumulate-grad hook on each parameter of every bucket but the last tells
-   its bucket that the gradient is final. When a bucket's last gradient lands it
-   starts its persistent ``all_reduce_init(flat, AVG)`` request (made once, with the
-   bucket; see ``collectives.persistent``), while backward goes on with earlier
-   layers. The last bucket needs no hooks: when it fills, every parameter's gradient
-   has landed, so the end-of-backward callback takes its gradients then and runs its
-   round on the spot (``request.run()``), which saves handing it to the group's thread
-   and back. (A hook costs one to two microseconds of a training step with the
-   caches cold; a model that fits one bucket has none. Where backward goes on past
-   the module's parameters, e.g. into inputs that require grad or into another
-   module, that rest of the pass does not overlap the last bucket's round.)
+   receives a gradient, which then still launches every bucket). A backward that
+   reaches the parameters without passing an output we could hook (a penalty on the
+   weights alone, a dummy loss ``0 * sum(p.sum() ...)`` on a rank with an empty batch,
+   an output type we cannot walk) is started by the first parameter's hook instead,
+   so every rank still takes part.
+3. A post-accumulate-grad hook on each parameter tells its bucket that the gradient is
+   final. When a bucket's last gradient lands it starts its persistent
+   ``all_reduce_init(flat, AVG)`` request (made once, with the bucket; see
+   ``collectives.persistent``), while backward goes on with earlier layers. The last
+   bucket is the exception: when it fills, every parameter's gradient has landed, so
+   the end-of-backward callback takes its gradients then (their hooks only start a
+   pass) and runs its round on the spot (``request.run()``, through
+   :meth:`Bucket.run_adopted` where every ``.grad`` is its view already), which saves
+   handing it to the group's thread and back. (Where backward goes on past the
+   module's parameters, e.g. into inputs that require grad or into another module, that
+   rest of the pass does not overlap the last bucket's round.)
    Buckets are launched strictly in bucket order: a full bucket waits for the ones before
    it. Every rank therefore issues the same all-reduces in the same order, whatever order
    its gradients arrive in; this is what keeps the ranks' collectives matched.
@@ -148,7 +148,7 @@ class DistributedDataParallel(nn.Module):
         # microsecond or two per assignment, and a pass makes several.
         self._pass = _PassState()
         self._hooks = []
-        for b, bucket in enumerate(self._buckets[:-1]):  # (the last: see the module doc)
+        for b, bucket in enumerate(self._buckets):
             for slot, p in enumerate(bucket.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(
                     self._make_hook(b, slot)))
@@ -230,10 +230,10 @@ class DistributedDataParallel(nn.Module):
 
     # ---------------------------------------------------------------------- backward
     def _begin_backward(self, sync: bool, grad: Any = None) -> None:
-        """The hook on the outputs of a forward run with ``sync`` (the first of them
-        that backward reaches, gradient ``grad``, starts the pass): say whether the pass
-        synchronises, and have the autograd engine call :meth:`_end_backward` when the
-        pass is over."""
+        """First event of a backward pass through this module (the hook on its outputs,
+        given their gradient ``grad``, or else the first parameter's hook): say whether
+        the pass synchronises, and have the autograd engine call :meth:`_end_backward`
+        when the pass is over."""
         task = _graph_task_id()
         state = self._pass
         if state.sync is not None:
@@ -255,13 +255,21 @@ class DistributedDataParallel(nn.Module):
     def _make_hook(self, b: int, slot: int):
         state, bucket = self._pass, self._buckets[b]
         view = bucket.views[slot]
+        if b == len(self._buckets) - 1:
+            # The last bucket is launched by the end-of-backward callback whatever its
+            # hooks saw, and run_adopted() or fill_missing() takes every gradient then:
+            # its parameters' hooks only start a pass that no output of ours started.
+            def begin_only(param: torch.Tensor) -> None:
+                if state.sync is None or state.task != _graph_task_id():
+                    self._begin_backward(self._require_sync)
+            return begin_only
 
         def hook(param: torch.Tensor) -> None:
+            if state.sync is None or state.task != _graph_task_id():
+                self._begin_backward(self._require_sync)  # no output of ours in this pass
             if param.grad is not view:  # (else adopt has nothing to do)
                 bucket.adopt(slot)
-            # Outside a synchronised pass through our outputs (no_sync, or a backward
-            # that reached the parameters another way) the gradient only accumulates.
-            if state.sync and state.task == _graph_task_id() and bucket.mark_ready(slot):
+            if state.sync and bucket.mark_ready(slot):
                 self._launch_ready()
         return hook
 
@@ -355,7 +363,11 @@ def _hook_fresh_output(t: torch.Tensor, hook: Any) -> None:
     it cost about 14 us of a 750 us step of the examples' MLP, against about 4 us this way.
     It is the wrapper's own body: the hook dictionary goes on the tensor and is given to
     its grad_fn, so hooks the user registers on ``t`` later join the same dictionary.
-    A torch without these internals takes the public call."""
+    A tensor subclass (whose ``register_hook`` may be its own) and a torch without these
+    internals take the public call."""
+    if type(t) is not torch.Tensor:
+        t.register_hook(hook)
+        return
     try:
         t._backward_hooks = OrderedDict(((_HOOK_KEY, hook),))
         t.grad_fn._register_hook_dict(t)

@@ -28,6 +28,7 @@ from torch import nn
 import collectives
 from collectives.testing.threads import run_threads
 from parallel import DDP
+from parallel import ddp as ddp_module
 from light_sgd import LightSGD as _SGD
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -479,14 +480,17 @@ def test_hooks_the_user_puts_on_an_output_join_ours():
         first = ddp.module.weight.grad.clone()
         ddp.module.weight.grad.zero_()
         out = ddp(x)
-        out.register_hook(lambda g: g * 2).remove()
+        removed = out.register_hook(lambda g: g * 2)
+        removed.remove()
+        keys = list(out._backward_hooks)
         out.sum().backward()
-        return first, ddp.module.weight.grad.clone(), doubled.id in out._backward_hooks
+        return first, ddp.module.weight.grad.clone(), doubled.id, removed.id, keys
 
     res = run_threads(body, 2, timeout=30)
-    for first, second, stale in res:
+    for first, second, doubled, removed, keys in res:
         assert torch.equal(first, torch.full((2, 2), 3.0))    # 2 x avg(1, 2)
-        assert torch.equal(second, torch.full((2, 2), 1.5)) and not stale
+        assert torch.equal(second, torch.full((2, 2), 1.5))
+        assert keys == [ddp_module._HOOK_KEY] and doubled != removed
 
 
 def test_a_buffer_assigned_anew_is_the_one_broadcast():
@@ -528,45 +532,50 @@ def test_no_sync_sends_nothing():
     assert torch.equal(res[0][2], torch.full((2,), 4.0))   # mean over ranks of 4 x 1
 
 
-def test_a_backward_around_the_outputs_accumulates_until_the_next_synced_one():
-    """A backward that reaches the parameters without going through an output of ours
-    (here a penalty on the weights alone) sends nothing and accumulates locally, in every
-    bucket (buckets of one parameter each: the earlier ones with hooks, the last
-    without); the next synchronised backward averages the sum. A parameter that a
-    synchronised pass reaches before any output (its only use is in the penalty, so its
-    gradient may land first) is averaged with the rest."""
+def test_a_backward_around_the_outputs_still_synchronises():
+    """A backward that reaches the parameters without passing an output of ours (a dummy
+    loss on every weight, as a rank with an empty batch may run; a dataclass output DDP
+    cannot walk) is started by the first parameter's hook, in a bucket with hooks or in
+    the last one, so every rank takes part and the gradients are averaged. A parameter
+    that a pass reaches before any output (its only use is in the penalty) is averaged
+    with the rest."""
+    import dataclasses
 
-    class Two(nn.Module):
+    @dataclasses.dataclass
+    class Out:
+        y: torch.Tensor
+
+    class Three(nn.Module):
         def __init__(self):
             super().__init__()
             self.a = nn.Linear(2, 2, bias=False)
             self.b = nn.Linear(2, 2, bias=False)
-            self.unused = nn.Parameter(torch.zeros(2))
+            self.c = nn.Linear(2, 2, bias=False)   # not in forward: the first bucket
 
         def forward(self, x):
-            return self.b(self.a(x))
+            return Out(self.b(self.a(x)))
 
     def body(pg):
         recorder = _Recorder(pg)
-        ddp = DDP(Two(), recorder, bucket_cap_mb=1e-6)   # one parameter per bucket
+        ddp = DDP(Three(), recorder, bucket_cap_mb=1e-6)   # one parameter per bucket
         m, k = ddp.module, float(pg.rank + 1)
         with torch.no_grad():
-            m.a.weight.fill_(1.0)
-            m.b.weight.fill_(1.0)
+            for p in m.parameters():
+                p.fill_(1.0)
         (k * sum(p.sum() for p in m.parameters())).backward()   # no output of ours
-        sent = len(recorder.issued)
-        x = torch.ones(1, 2)
-        (ddp(x).sum() + k * m.unused.sum()).backward()
-        return (sent, len(recorder.issued), len(ddp.buckets),
-                [p.grad.clone() for p in m.parameters()])
+        first = len(recorder.issued)
+        out = ddp(torch.ones(1, 2))   # a dataclass: no hook on it
+        (out.y.sum() + k * m.c.weight.sum()).backward()
+        return (first, len(recorder.issued), len(ddp.buckets),
+                [p.grad.clone() for p in (m.a.weight, m.b.weight, m.c.weight)])
 
     res = run_threads(body, 2, timeout=30)
-    assert [r[:3] for r in res] == [(0, 3, 3), (0, 3, 3)]
-    gu, ga, gb = res[0][3]   # (the module's own parameter comes first)
+    assert [r[:3] for r in res] == [(3, 6, 3), (3, 6, 3)]
     assert all(torch.equal(x, y) for x, y in zip(res[0][3], res[1][3]))
-    # a: penalty avg(1, 2) = 1.5, output 2 (sum over b's rows); b: 1.5 + 2 (a(x) = [2, 2])
+    ga, gb, gc = res[0][3]
+    # a, b: penalty avg(1, 2) = 1.5, then 2 from the output (b(a(x)) = [4, 4]); c: 2 x 1.5
     assert torch.equal(ga, torch.full((2, 2), 3.5)) and torch.equal(gb, torch.full((2, 2), 3.5))
-    assert torch.equal(gu, torch.full((2,), 3.0))   # avg over ranks of 2 x k
+    assert torch.equal(gc, torch.full((2, 2), 3.0))
 
 
 def test_synced_backwards_accumulate_like_one_process():
