@@ -35,40 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import collectives  # noqa: E402
+from benchmarks.ddp_vs_torch import BATCH, SEED, Stepper  # noqa: E402
 from examples.common.harness import build_mlp  # noqa: E402
-from examples.common.mnist import load_mnist  # noqa: E402
-
-BATCH, LR, SEED = 32, 0.05, 0
-
-
-class _Stepper:
-    """One model, its SGD and a fixed set of batches: ``step()`` is one training step."""
-
-    def __init__(self, model: torch.nn.Module, rank: int) -> None:
-        x, y = map(torch.from_numpy, load_mnist(None, "train"))
-        gen = torch.Generator().manual_seed(rank)
-        self.batches = [(x[i], y[i]) for i in
-                        (torch.randint(0, len(x), (BATCH,), generator=gen) for _ in range(16))]
-        self.model = model
-        self.opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-        self.i = 0
-
-    def step(self) -> None:
-        xb, yb = self.batches[self.i % len(self.batches)]
-        self.i += 1
-        loss = F.cross_entropy(self.model(xb), yb)
-        self.opt.zero_grad(set_to_none=False)
-        loss.backward()
-        self.opt.step()
-
-    def seconds_per_step(self, steps: int) -> float:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            self.step()
-        return (time.perf_counter() - t0) / steps
 
 
 def wrapper_cost(block: int, blocks: int) -> dict:
@@ -77,11 +47,11 @@ def wrapper_cost(block: int, blocks: int) -> dict:
     torch.set_num_threads(1)
     pg = collectives.init_process_group("shm")
     try:
-        plain = _Stepper(build_mlp(SEED), 0)
-        ddp = _Stepper(DDP(build_mlp(SEED), pg), 0)
+        plain = Stepper(build_mlp(SEED), 0)
+        ddp = Stepper(DDP(build_mlp(SEED), pg), 0)
         for s in (plain, ddp):
-            s.seconds_per_step(block)   # warm-up
-        rows = [(plain.seconds_per_step(block), ddp.seconds_per_step(block))
+            s.seconds(block)   # warm-up
+        rows = [(plain.seconds(block) / block, ddp.seconds(block) / block)
                 for _ in range(blocks)]
     finally:
         pg.close()
@@ -113,12 +83,12 @@ def _rank(backend: str, steps: int, warmup: int) -> dict:
         marks: list = []
         last = model.buckets[-1]
         last._request = _TimedRequest(last._request, marks)
-        stepper = _Stepper(model, pg.rank)
+        stepper = Stepper(model, pg.rank)
         for _ in range(warmup):
             stepper.step()
         pg.barrier()
         marks.clear()
-        per_step = stepper.seconds_per_step(steps)
+        per_step = stepper.seconds(steps) / steps
     finally:
         pg.close()
     return {"per_step": per_step, "marks": marks}
@@ -155,9 +125,9 @@ def main() -> int:
           f"{'skew mean':>11}{'efficiency':>12}")
     for r in range(a.rounds):
         w = wrapper_cost(a.block, a.blocks)
-        plain = _Stepper(build_mlp(SEED), 0)
-        plain.seconds_per_step(a.warmup)
-        plain_us = plain.seconds_per_step(a.steps) * 1e6
+        plain = Stepper(build_mlp(SEED), 0)
+        plain.seconds(a.warmup)
+        plain_us = plain.seconds(a.steps) / a.steps * 1e6
         t = two_ranks(a.backend, a.steps, a.warmup, a.timeout)
         print(f"{r:>5}{w['plain_us']:>10.1f}{w['wrapper_us']:>12.1f}{plain_us:>10.1f}"
               f"{t['step_us'][0]:>11.1f}{t['step_us'][1]:>11.1f}"

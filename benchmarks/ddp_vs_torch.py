@@ -64,35 +64,56 @@ BATCH, LR, SEED = 32, 0.05, 0
 _ROOT = str(Path(__file__).resolve().parent.parent)
 
 
+class Stepper:
+    """One model, its SGD (lr ``LR``, momentum 0.9) and 16 fixed batches of ``batch``
+    bundled MNIST images drawn with seed ``rank``: ``step()`` is one training step of
+    ``examples/ddp.py``'s loop (also benchmarks/ddp_breakdown.py's)."""
+
+    def __init__(self, model: torch.nn.Module, rank: int, batch: int = BATCH) -> None:
+        self.x, self.y = map(torch.from_numpy, load_mnist(None, "train"))
+        gen = torch.Generator().manual_seed(rank)
+        self.batches = [torch.randint(0, len(self.x), (batch,), generator=gen)
+                        for _ in range(16)]
+        self.model = model
+        self.opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        self.i = 0
+
+    def step(self) -> None:
+        idx = self.batches[self.i % len(self.batches)]
+        self.i += 1
+        loss = F.cross_entropy(self.model(self.x[idx]), self.y[idx])
+        self.opt.zero_grad(set_to_none=False)  # .grad stays a view into DDP's buckets
+        loss.backward()
+        self.opt.step()
+
+    def seconds(self, steps: int) -> float:
+        """Seconds for the next ``steps`` steps."""
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.step()
+        return time.perf_counter() - t0
+
+
 def _train(model: torch.nn.Module, rank: int, batch: int, steps: int, warmup: int,
            barrier: Callable[[], None]) -> float:
     """Seconds for ``steps`` training steps on this rank, after ``warmup`` untimed ones and
     a barrier (so every rank's clock starts together)."""
-    x, y = map(torch.from_numpy, load_mnist(None, "train"))
-    gen = torch.Generator().manual_seed(rank)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    batches = [torch.randint(0, len(x), (batch,), generator=gen) for _ in range(16)]
-    start = 0.0
-    for i in range(warmup + steps):
-        if i == warmup:
-            barrier()
-            start = time.perf_counter()
-        idx = batches[i % len(batches)]
-        loss = F.cross_entropy(model(x[idx]), y[idx])
-        opt.zero_grad(set_to_none=False)  # .grad stays a view into DDP's buckets
-        loss.backward()
-        opt.step()
-    return time.perf_counter() - start
+    stepper = Stepper(model, rank, batch)
+    stepper.seconds(warmup)
+    barrier()
+    return stepper.seconds(steps)
 
 
 def run_ours(backend: str, threads: int, batch: int, steps: int, warmup: int,
-             cap_mb: float) -> float:
-    """One rank of parallel.DDP on ``backend``; returns the slowest rank's seconds."""
+             cap_mb: float, ddp: bool = True) -> float:
+    """One rank of parallel.DDP on ``backend`` (``ddp=False``: of the independent row, a
+    plain model that only meets the others at the barrier and the final maximum);
+    returns the slowest rank's seconds."""
     from collectives import ReduceOp
     from parallel import DDP
     torch.set_num_threads(threads)
     pg = collectives.init_process_group(backend, timeout=300)
-    model = DDP(build_mlp(SEED), pg, bucket_cap_mb=cap_mb)
+    model = DDP(build_mlp(SEED), pg, bucket_cap_mb=cap_mb) if ddp else build_mlp(SEED)
     seconds = torch.tensor([_train(model, pg.rank, batch, steps, warmup, pg.barrier)],
                            dtype=torch.float64)
     pg.all_reduce(seconds, ReduceOp.MAX)
@@ -127,14 +148,7 @@ def run_independent(threads: int, batch: int, steps: int, warmup: int,
     """One of N processes each training its own plain model, no communication between
     them but the barrier that starts their clocks together and the final maximum of
     their times (the ceiling row); returns the slowest one's seconds."""
-    from collectives import ReduceOp
-    torch.set_num_threads(threads)
-    pg = collectives.init_process_group("shm", timeout=300)
-    seconds = torch.tensor([_train(build_mlp(SEED), pg.rank, batch, steps, warmup,
-                                   pg.barrier)], dtype=torch.float64)
-    pg.all_reduce(seconds, ReduceOp.MAX)
-    pg.close()
-    return float(seconds[0])
+    return run_ours("shm", threads, batch, steps, warmup, cap_mb, ddp=False)
 
 
 def run_mpi(n: int, work: tuple, timeout: float) -> float:

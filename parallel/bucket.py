@@ -220,15 +220,24 @@ class Bucket:
         for p, view in self._pairs:
             if p.grad is not view:
                 return False
-        if not self._flags_are_ones:
-            self._flags.fill_(1)   # (this rank has every gradient)
-        self._flags_are_ones = False   # until the round's result is read
-        request.run()
+        self._flags_all_present()
+        request.run()   # (raising: the caller resets every bucket, these flags too)
         # Every flag is above 0 (this rank's 1 is in each average), so every .grad stays
         # its view; whether all are 1 (no rank missed a gradient) saves the next fill.
-        flags = self._flags.tolist()
-        self._flags_are_ones = flags.count(1.0) == len(flags)
+        self._flags_are_ones = self._round_flags()[1]
         return True
+
+    def _flags_all_present(self) -> None:
+        """Every flag 1 (this rank has every gradient), written only where ``flat`` does
+        not hold that already."""
+        if not self._flags_are_ones:
+            self._flags.fill_(1)
+            self._flags_are_ones = True
+
+    def _round_flags(self) -> tuple[list, bool]:
+        """The flags the round left (averages over the ranks), and whether all are 1."""
+        flags = self._flags.tolist()
+        return flags, flags.count(1.0) == len(flags)
 
     def launch(self, *, blocking: bool = False) -> None:
         """Start the asynchronous average of ``flat`` over the group; ``blocking``: run
@@ -239,9 +248,7 @@ class Bucket:
                                f"gradients missing")
         self._complete = all(self._has_grad)
         if self._complete:
-            if not self._flags_are_ones:
-                self._flags.fill_(1)
-                self._flags_are_ones = True
+            self._flags_all_present()
         else:
             self._flags.copy_(self._flags.new_tensor(self._has_grad))
             self._flags_are_ones = False
@@ -268,8 +275,7 @@ class Bucket:
         try:
             if work is not None:
                 work.wait()
-            flags = self._flags.tolist()
-            ones = flags.count(1.0) == len(flags)
+            flags, ones = self._round_flags()
             # Where every rank had every gradient and so did this one, each .grad is its
             # view already (adopt made it so): nothing to hand out.
             if not (ones and self._complete):

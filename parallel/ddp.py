@@ -192,16 +192,14 @@ class DistributedDataParallel(nn.Module):
         if type(out) is torch.Tensor:   # one tensor, the usual case: no walk
             if not out.requires_grad:
                 return out
-            if out.grad_fn is None or out._backward_hooks:
-                out = out.view_as(out)
+            out = _fresh(out)
             _hook_fresh_output(out, on_backward)
             return out
         leaves: list = []
         _collect(out, leaves)
         if not leaves:
             return out
-        marked = [t if t.grad_fn is not None and not t._backward_hooks else t.view_as(t)
-                  for t in leaves]
+        marked = [_fresh(t) for t in leaves]
         for t in marked:
             _hook_fresh_output(t, on_backward)
         if all(m is t for m, t in zip(marked, leaves)):
@@ -354,6 +352,13 @@ _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 #: The key of DDP's hook in an output's hook dictionary: a string, so that it can never be
 #: the integer id of a hook the user registers on the same tensor later.
 _HOOK_KEY = "parallel.DDP"
+
+
+def _fresh(t: torch.Tensor) -> torch.Tensor:
+    """``t`` where it was made by an autograd op and has no hooks yet, else a new view of
+    it (a leaf, or a tensor an earlier forward returned and hooked): what
+    :func:`_hook_fresh_output` takes."""
+    return t if t.grad_fn is not None and not t._backward_hooks else t.view_as(t)
 
 
 def _hook_fresh_output(t: torch.Tensor, hook: Any) -> None:

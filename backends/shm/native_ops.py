@@ -31,7 +31,7 @@ from . import segment as sg
 from .channels import RecvOp
 from .cma import CMA_ENV, cma_pays_off
 from .native import NativeDoorbells, native_module, wait_policy
-from .ops import _DTYPE_CODE, _REDOP_BY_ID, OP_ALL_REDUCE
+from .ops import _DTYPE_CODE, _REDOP_BY_ID, OP_ALL_REDUCE, fingerprint
 from .reduce import ReduceOps
 
 #: Longest single C wait: the deadline and the peers' pids are checked in between.
@@ -226,8 +226,7 @@ class NativePaths:
         dtype code, operator code)."""
         self._op_name, self._op_seq = "all_reduce", seq
         code, redop = _DTYPE_CODE.get(a.dtype, 0), _REDOP_BY_ID.get(id(op), 0)
-        fp0 = self._fp0 = (OP_ALL_REDUCE | (redop << 4) | (code << 8)
-                           | ((seq & 0xFFFFFFFF) << 32))
+        fp0 = self._fp0 = fingerprint(OP_ALL_REDUCE, redop, code, -1, seq)
         nbytes = self._fp1 = a.nbytes
         return fp0, nbytes, code, redop
 
@@ -265,8 +264,7 @@ class NativePaths:
         self._op_seq = seq
         code = _DTYPE_CODE.get(a.dtype, 0)
         redop = _REDOP_BY_ID.get(id(op), 0)
-        fp0 = self._fp0 = (opcode | (redop << 4) | (code << 8)
-                           | (((dst + 1) & 0xFFFF) << 16) | ((seq & 0xFFFFFFFF) << 32))
+        fp0 = self._fp0 = fingerprint(opcode, redop, code, dst, seq)
         nbytes = self._fp1 = a.nbytes
         q = self._phase = self._phase + 1
         want = dst < 0 or dst == self.rank

@@ -91,6 +91,18 @@ def _describe(fp0: int, fp1: int, dtype_name) -> str:
     return text
 
 
+def fingerprint(opcode: int, redop: int, dtype: int, root: int, seq: int) -> int:
+    """Word 0 of a phase's fingerprint (word 1 is the message's bytes): the operation,
+    operator and dtype codes, root + 1 (0: none) and the call's sequence number, in the
+    fields every rank compares (the core computes the same in ``small_all_reduce``).
+
+    >>> hex(fingerprint(OP_ALL_REDUCE, 1, 2, -1, 7))
+    '0x700000213'
+    """
+    return (opcode | (redop << 4) | (dtype << 8) | (((root + 1) & 0xFFFF) << 16)
+            | ((seq & 0xFFFFFFFF) << 32))
+
+
 class CollectiveOps:
     """Mixed into ShmGroup: the ``_broadcast``/``_all_reduce``/... hooks."""
 
@@ -105,9 +117,8 @@ class CollectiveOps:
         if self._seg is None:
             raise CollectiveError(f"{self._where(name)}: the group is closed")
         self._op_name, self._op_seq = name, seq
-        self._fp0 = (opcode | (_REDOP_BY_ID.get(id(redop), 0) << 4)
-                     | (_DTYPE_CODE.get(dtype, 0) << 8)
-                     | (((root + 1) & 0xFFFF) << 16) | ((seq & 0xFFFFFFFF) << 32))
+        self._fp0 = fingerprint(opcode, _REDOP_BY_ID.get(id(redop), 0),
+                                _DTYPE_CODE.get(dtype, 0), root, seq)
         self._fp1 = nbytes
 
     def _enter(self) -> int:

@@ -125,7 +125,7 @@ class ReduceOps:
         dt = a.dtype
         me = self.rank
         slots = self._small_views(dt, a.size)
-        # What _start() computes, inline (this path is all overhead).
+        # What _start() computes (ops.fingerprint), inline: this path is all overhead.
         self._op_name = "all_reduce" if dst < 0 else "reduce"
         self._op_seq = seq
         fp0 = self._fp0 = (opcode | (_REDOP_BY_ID.get(id(op), 0) << 4)

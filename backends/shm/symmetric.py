@@ -51,7 +51,7 @@ import numpy as np
 from collectives.reduce_op import ReduceOp
 from collectives.shm_names import SHM_DIR, segment_name
 
-from .ops import _DTYPE_CODE, _REDOP_BY_ID, OP_ALL_REDUCE, piece_bounds
+from .ops import _DTYPE_CODE, _REDOP_BY_ID, OP_ALL_REDUCE, fingerprint, piece_bounds
 
 
 #: Set in the root field of the vote phase's fingerprint (an all_reduce has no root),
@@ -306,7 +306,7 @@ class SymmetricHeap:
         sym, settled, done = core.sym_all_reduce, self._symmetric_settled, self._DONE
         large, rest, fail = self._large_reduce, self._large_reduce_unplaced, self._fail
         code, redop = _DTYPE_CODE.get(dtype, 0), _REDOP_BY_ID[id(op)]
-        base = OP_ALL_REDUCE | (redop << 4) | (code << 8)   # (root -1: field 0)
+        base = fingerprint(OP_ALL_REDUCE, redop, code, -1, 0)   # (the seq field per round)
         nbytes, (w0, w1) = a.nbytes, where
 
         def round_(seq: int) -> None:
@@ -319,12 +319,12 @@ class SymmetricHeap:
                                                                      nbytes)
                 q = core.phase + 1
                 core.phase = q
-                status, phase = sym(piece, srcs, copies, q, fp0 | _VOTE_MARK, fp0, nbytes,
-                                    w0, w1, code, redop, self._wait_budget, False)
+                call = (piece, srcs, copies, q, fp0 | _VOTE_MARK, fp0, nbytes, w0, w1,
+                        code, redop)
+                status, phase = sym(*call, self._wait_budget, False)
                 if status == done:
                     core.phase = q + 1
-                elif not settled((piece, srcs, copies, q, fp0 | _VOTE_MARK, fp0, nbytes,
-                                  w0, w1, code, redop), status, phase):
+                elif not settled(call, status, phase):
                     rest(a, op, seq, -1, OP_ALL_REDUCE)
             except BaseException as exc:
                 fail(exc)
