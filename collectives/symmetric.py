@@ -10,9 +10,12 @@ The contract (every backend keeps it):
   zero-filled ``numpy`` array of ``nbytes`` bytes (``uint8``), 64-byte aligned; view it
   as any dtype (``buf.view(np.float32)``, ``torch.frombuffer(buf, dtype=...)``).
 - The memory is the caller's like any array: it stays valid after ``close()`` (and,
-  being a shared mapping on shm, a forked child's writes to it show in the parent). A
-  backend may keep what it needs to share a buffer until the group closes: there is no
-  free, so allocate buffers once (DDP makes one per bucket).
+  being a shared mapping on shm, a forked child's writes to it show in the parent), and
+  it is freed when nothing refers to it any more. There is no explicit free: a backend
+  may keep what it needs to share a buffer (the peers' mappings) until this rank's
+  buffer is gone and then until its next ``alloc_symmetric`` or ``close()``, not longer
+  (shm), so a process that builds model after model on one group (DDP makes a buffer
+  per bucket) holds only the live ones.
 - Where a backend cannot share a buffer (shm: /dev/shm full, a peer's file not
   mappable), every rank gets plain memory alike and a ``RuntimeWarning`` says why. What it
   adds: a collective whose array lies inside a symmetric buffer at the *same offset on

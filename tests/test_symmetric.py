@@ -9,7 +9,8 @@ offsets, or outside every buffer, takes the usual paths with the same results; t
 ranks asking for different sizes all get a ValueError and the group goes on; and that
 DDP's buckets live there. World 3 runs the Python path (``COLLECTIVES_SHM_NATIVE=0``).
 Late ranks and waits longer than the core's own budget take the Python waits between the
-core's calls. The base class's default (plain memory) runs in a thread world. Its
+core's calls. A buffer nothing refers to any more is let go (model after model on one
+group maps only the live buffers), and a rank that let go of its copy declines. The base class's default (plain memory) runs in a thread world. Its
 faults (a rank killed in it, one that never comes, ranks whose operators differ) are in
 test_faults.py (``all_reduce_symmetric``, ``symmetric op``).
 """
@@ -299,6 +300,75 @@ def test_late_ranks_and_waits_past_the_core_budget(nproc):
                                  join_timeout=120):
         assert res == {"right": [True] * 12, "native": True, "settled": True,
                        "in_place": True, "bound": 6}, res
+
+
+def _sym_mappings(pg) -> list:
+    """The indexes of the symmetric buffers of ``pg`` that this process maps (its own or
+    a peer's), one entry per mapping, sorted."""
+    stem = os.path.basename(pg._symmetric_path(0, 0)).rsplit(".sym", 1)[0] + ".sym"
+    found = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            name = os.path.basename(line.split()[-1] if " (deleted)" not in line
+                                    else line.rsplit(" (deleted)", 1)[0].split()[-1])
+            if name.startswith(stem):
+                found.append(int(name[len(stem):].split(".r", 1)[0]))
+    return sorted(found)
+
+
+def _released_job() -> dict:
+    """Model after model on one group, each with its own buffer: a buffer nothing refers
+    to any more is let go (the table keeps an empty entry), the live ones still reduce
+    in place; a rank whose buffer is gone while a peer still uses its copy declines, and
+    the call is right."""
+    pg = collectives.init_process_group()
+    cls = type(pg)
+    taken, bound = [], []
+    saved = _spy_in_place(cls, taken, bound)
+    out: dict = {}
+    try:
+        right, in_place = [], []
+        a = None
+        for i in range(12):
+            a = pg.alloc_symmetric(1 << 20).view(np.float32)   # the last one goes here
+            req = pg.all_reduce_init(a)                         # (holds `a` while it lives)
+            a[:] = pg.rank + i
+            taken.clear()
+            req.run() if i % 2 else pg.all_reduce(a)
+            right.append(bool((a == sum(r + i for r in range(pg.size))).all()))
+            in_place.append(taken == [True])
+            del req
+        out["right"], out["in_place"] = right, in_place
+        out["mapped"] = _sym_mappings(pg)          # this one's and the last one's
+        out["table"] = (len(pg._symmetric), sum(1 for e in pg._symmetric if e[1]))
+        # Rank 0 lets its copy of the last buffer go; the others still reduce in it.
+        kept = a
+        if pg.rank == 0:
+            kept = np.zeros(a.size, np.float32)
+            del a
+        pg.alloc_symmetric(4096)   # (rank 0 forgets the peers' copies here)
+        kept[:] = pg.rank + 1
+        taken.clear()
+        pg.all_reduce(kept)
+        out["declined"] = (taken == [False],
+                           bool((kept == pg.size * (pg.size + 1) / 2).all()))
+    finally:
+        _unspy(cls, saved)
+        pg.close()
+    return out
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_a_buffer_nothing_refers_to_is_let_go(native):
+    results = collectives.spawn(_released_job, 2, backend="shm", timeout=30,
+                                env={"COLLECTIVES_SHM_NATIVE": native})
+    for out in results:
+        assert out["right"] == [True] * 12 and out["in_place"] == [True] * 12, out
+        # Buffer 11 (own and the peer's) and the peer's copy of 10 (this rank's went
+        # when `a` moved on; the peer's is forgotten at the next alloc_symmetric): not
+        # 24 mappings (as before buffers were let go). Twelve entries, ten of them empty.
+        assert out["mapped"] == [10, 11, 11] and out["table"] == (12, 2), out
+        assert out["declined"] == (True, True), out
 
 
 def _two_groups_job() -> dict:

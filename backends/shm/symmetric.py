@@ -12,9 +12,18 @@ whether that worked (also the barrier after which the names may go); each rank u
 its own name. Where any rank failed, every rank returns plain memory instead (and a
 warning says why): the buffer works, nothing is read in place. From then on nothing is
 visible in /dev/shm, as with the group's segment; the launcher removes what a rank
-killed in between left behind (the name carries the job's digest). A buffer and the
-peers' mappings of it live until the group closes (there is no free); the rank's own
-array stays valid after that.
+killed in between left behind (the name carries the job's digest).
+
+Lifetime: the group keeps the peers' mappings of a buffer (in ``_symmetric``), never this
+rank's own, so the own buffer is the caller's: once nothing refers to it any more (no
+array, view or tensor over it; no plan, see ``_symmetric_plan``) its mapping goes, and
+the group forgets its mappings of the peers' copies at its next ``alloc_symmetric`` (or
+close). The pages come back once every rank has let its copy go. So a process that builds
+model after model on one group (DDP makes a buffer per bucket) holds the buffers of the
+models alive, not of every model ever built. The entry stays in the table as an empty
+range, so every rank keeps voting in a large all_reduce (whether a rank votes depends on
+the table being non-empty, which must be the same on every rank); a rank whose buffer is
+gone just votes "not in a buffer" and the call takes the usual paths.
 
 The all_reduce (past the one-phase size) of an array lying in buffer ``i`` at offset
 ``o`` on this rank:
@@ -46,6 +55,8 @@ from __future__ import annotations
 import mmap
 import os
 import warnings
+import weakref
+
 import numpy as np
 
 from collectives.reduce_op import ReduceOp
@@ -66,11 +77,16 @@ _PLANS_MAX = 16
 class SymmetricHeap:
     """Mixed into ShmGroup: ``_alloc_symmetric`` and ``_symmetric_all_reduce``."""
 
-    #: One entry per non-empty buffer: (its first address here, nbytes, every rank's
-    #: mapping of it as uint8 arrays, this rank's own at its index). Allocation is
-    #: collective, so every rank holds as many, in the same order.
+    #: One entry per non-empty buffer: (its first address here, nbytes, every peer's
+    #: mapping of it as uint8 arrays, None at this rank's index); (0, 0, None) once this
+    #: rank's own buffer is gone. Allocation is collective, so every rank holds as many,
+    #: in the same order.
     _symmetric: tuple = ()
     _symmetric_count = 0
+    #: Indexes into ``_symmetric`` whose own buffer has been freed (appended by a
+    #: finalizer, from whichever thread dropped the last reference; forgotten by
+    #: ``_forget_freed_symmetric`` on the group's own calls). Each group makes its own.
+    _symmetric_freed: list = []
     #: id(array) -> (array, dtype, (i + 1, o), own piece or None, the pieces to reduce in
     #: rank order, the peers' copies of the piece), and the same by ((i + 1, o), nbytes,
     #: dtype): see _symmetric_plan. (Empty here; a group writes only into its own.)
@@ -78,6 +94,7 @@ class SymmetricHeap:
     _symmetric_places: dict = {}
 
     def _alloc_symmetric(self, nbytes: int, where: str) -> np.ndarray:
+        self._forget_freed_symmetric()
         index = self._symmetric_count
         self._symmetric_count += 1
         if self.size == 1:
@@ -122,8 +139,30 @@ class SymmetricHeap:
                               f"this buffer", RuntimeWarning, stacklevel=3)
             return super()._alloc_symmetric(nbytes, where)
         buf = views[self.rank]
+        views[self.rank] = None   # this rank's own buffer is the caller's (see above)
+        if "_symmetric_freed" not in self.__dict__:
+            self._symmetric_freed = []
+        # When the mapping goes (every array over it gone), note its entry; a list's
+        # append is atomic, and the finalizer holds the list, not the group.
+        weakref.finalize(mine, self._symmetric_freed.append,
+                         len(self._symmetric)).atexit = False
         self._symmetric = self._symmetric + ((buf.ctypes.data, nbytes, views),)
         return buf
+
+    def _forget_freed_symmetric(self) -> None:
+        """Let go of the peers' mappings of every buffer whose own copy is gone here
+        (its entry becomes an empty range), and of the plans, which hold arrays, so
+        that buffers referred to by nothing else go now (their entries are forgotten
+        in the same call: the finalizer runs as the last reference drops)."""
+        self._symmetric_plans, self._symmetric_places = {}, {}
+        freed = self._symmetric_freed
+        if freed:
+            table = list(self._symmetric)
+            while freed:
+                index = freed.pop()
+                if index < len(table):   # (a table emptied by close: nothing to forget)
+                    table[index] = (0, 0, None)
+            self._symmetric = tuple(table)
 
     def _all_ranks(self, values: list) -> np.ndarray:
         """``values`` (ints) of every rank, one row per rank (an all_gather)."""
@@ -204,9 +243,11 @@ class SymmetricHeap:
             if k1 > k0:
                 piece = a[k0:k1]
                 for r in range(self.size):
-                    view = mapped[r][lo:lo + a.nbytes].view(a.dtype)[k0:k1]
-                    srcs.append(piece if r == me else view)
-                    if r != me:
+                    if r == me:
+                        srcs.append(piece)
+                    else:
+                        view = mapped[r][lo:lo + a.nbytes].view(a.dtype)[k0:k1]
+                        srcs.append(view)
                         copies.append(view)
             plan = (a, a.dtype, where, piece, srcs, copies)
             if len(self._symmetric_places) >= _PLANS_MAX:
