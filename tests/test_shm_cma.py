@@ -3,7 +3,9 @@ each other's arrays with process_vm_readv. It must give bitwise what the staged,
 pipelined path gives (every dtype and operator, uneven pieces, 2 and 3 ranks), and the
 ranks must always agree on the path: a rank that votes against it (``COLLECTIVES_SHM_CMA=0``,
 or a kernel whose copy between processes it measured as too slow) or that cannot read
-its peers turns it off for the whole group, which still computes the right result.
+its peers turns it off for the whole group, which still computes the right result; a
+rank that measured it paying only for larger messages sets the group's line, agreed by
+every rank at the first large call.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def _staged_group(pg):
 
 def _agree_job() -> dict:
     # Voting for the path whatever the kernel's speed here (unset, a rank votes for it
-    # only where the kernel copies about as fast as memcpy: cma.cma_pays_off).
+    # only where the kernel copies about as fast as memcpy: cma.cma_from_bytes).
     os.environ[CMA_ENV] = "1"
     pg = collectives.init_process_group()
     me, n = pg.rank, pg.size
@@ -71,13 +73,33 @@ def _agree_job() -> dict:
     # Left to measure (the variable unset), one rank finds the kernel's copy too slow:
     # the whole group stages, and is right.
     del os.environ[CMA_ENV]
-    cma._pays_off = me != 0
+    cma._from_bytes = 0 if me == 0 else cma.CMA_ALL_REDUCE_BYTES
     slow = pg.new_group(list(range(n)))
     c = np.full(pg._cma_bytes // 4 + 5, me + 1.0, np.float32)
     slow.all_reduce(c)
-    cma._pays_off = None
-    os.environ[CMA_ENV] = "1"
     measured = (slow._cma, bool(np.all(c == n * (n + 1) / 2)))
+
+    # One rank finds it pays only from 8 MiB: the group agrees on that line at its first
+    # large call (which stages, as does every later one below the line, without asking
+    # again); a message at the line reads in place; the results are those of staging.
+    cma._from_bytes = cma._LARGE_PROBE_BYTES if me == n - 1 else cma.CMA_ALL_REDUCE_BYTES
+    late = pg.new_group(list(range(n)))
+    line_results = []
+    asked = []
+    real_vote = type(late)._cma_line
+    type(late)._cma_line = lambda self: asked.append(1) or real_vote(self)
+    try:
+        for count in (pg._cma_bytes // 4 + 7, pg._cma_bytes // 4 + 9,
+                      cma._LARGE_PROBE_BYTES // 4 - 1, cma._LARGE_PROBE_BYTES // 4):
+            x = np.random.default_rng([me, count]).standard_normal(count).astype(np.float32)
+            y, z = x.copy(), x.copy()
+            late.all_reduce(y)
+            staged.all_reduce(z)
+            line_results.append((late._cma, late._cma_bytes, len(asked), _same(y, z)))
+    finally:
+        type(late)._cma_line = real_vote
+    cma._from_bytes = None
+    os.environ[CMA_ENV] = "1"
 
     # One rank cannot read its peers (the kernel says EPERM): the probe turns it off.
     probe = pg.new_group(list(range(n)))
@@ -96,8 +118,8 @@ def _agree_job() -> dict:
     probed = (probe._cma, bool(np.all(b == n * (n + 1) / 2)))
 
     out = {"bad": bad, "digest": digest, "cma": (pg._cma, staged._cma), "voted": voted,
-           "probed": probed, "measured": measured}
-    for g in (probe, vote, staged, slow):
+           "probed": probed, "measured": measured, "line": line_results}
+    for g in (probe, vote, staged, slow, late):
         g.close()
     pg.close()
     return out
@@ -114,6 +136,12 @@ def test_single_copy_all_reduce_is_bitwise_the_staged_one_and_agreed(nproc):
         assert res["voted"] == (False, True), (r, res["voted"])
         assert res["probed"] == (False, True), (r, res["probed"])
         assert res["measured"] == (False, True), (r, res["measured"])
+        if res["cma"][0] is True:
+            big = cma._LARGE_PROBE_BYTES
+            # asked once (the first call), line agreed; below it staged; at it in place
+            assert res["line"] == [(None, big, 1, True), (None, big, 1, True),
+                                   (None, big, 1, True), (True, big, 2, True)], \
+                (r, res["line"])
     assert len({res["digest"] for res in results}) == 1
     assert len({res["cma"] for res in results}) == 1           # the world: one decision
     if results[0]["cma"][0] is not True:   # every rank could, but the probe failed

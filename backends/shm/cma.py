@@ -9,13 +9,16 @@ one PID namespace) the all_reduce of ``a`` reads the peers' arrays where they li
 
 1. phase 1 (needed every call anyway: the addresses change, and a peer must have entered
    the call before its array may be read): every rank publishes the address of ``a`` and
-   whether it can take this path
-   (the compiled core loaded, every peer's pid visible, and the kernel's copy fast
-   enough here: :func:`cma_pays_off`, or ``COLLECTIVES_SHM_CMA`` ``1``, not ``0``);
-   all ranks read the same words, so they all decide alike. The first time
-   all can, each also reads a word of every peer's array and publishes whether that
-   worked (phase 2): a kernel that forbids it turns the path off for the group, on
-   every rank, and that call and every later one take the pipelined path.
+   its *line*, the smallest message it reads in place (0: it cannot: the compiled core
+   not loaded, a peer's pid not visible, ``COLLECTIVES_SHM_CMA=0``; else at least
+   ``cma_min_bytes(n)``, more where the kernel's copy pays only for larger messages
+   here: :func:`cma_from_bytes`); all ranks read the same words, so they all decide
+   alike. A 0 turns the path off for the group, on every rank; else the group's line is
+   the largest published, and a message below it takes the pipelined path (and later
+   ones below it do not ask again: every rank raised its ``_cma_bytes`` alike). The
+   first time all can, each also reads a word of every peer's array and publishes
+   whether that worked (phase 2): a kernel that forbids it turns the path off for the
+   group, on every rank, and that call and every later one take the pipelined path.
 2. reduce-scatter: rank k owns piece k of ``a`` (n aligned pieces); it reads piece k of
    every peer's array block by block (a quarter MiB, so the copies stay in cache) and
    reduces them with its own in rank order, in place (``_native.cma_reduce``, GIL
@@ -29,7 +32,8 @@ other paths: the ranks get bitwise-identical results, bitwise those of the pipel
 path. Traffic per rank: the peers' pieces read once, the reduction, the gather read once,
 about 3 times the message. Messages of ``cma_min_bytes(n)`` and more take this path (1.5
 MiB at 2 ranks; more with more ranks, whose pieces are smaller and whose reads are more)
-where every rank votes for it; ``reduce`` (one root) and the other collectives keep theirs.
+where every rank votes for it at that size; ``reduce`` (one root) and the other
+collectives keep theirs.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from collectives.reduce_op import ReduceOp
 from .ops import _DTYPE_CODE, _REDOP_BY_ID, OP_ALL_REDUCE, piece_bounds
 
 #: all_reduce messages of at least this many bytes, times ``size // 2``, read the peers'
-#: memory directly where the group votes for it (cma_pays_off). Measured on 2 cores of
+#: memory directly where the group votes for it (cma_from_bytes). Measured on 2 cores of
 #: the machine it was built on (where it pays), the paths timed in turn in one job: at 2 ranks
 #: staging is 13% faster at 1 MiB (twice: 336 vs 384 us, 320 vs 366 us), even at 1.5
 #: MiB, 10-25% slower from 2 MiB. At 4 ranks (oversubscribed) staging was faster at 3
@@ -56,8 +60,8 @@ from .ops import _DTYPE_CODE, _REDOP_BY_ID, OP_ALL_REDUCE, piece_bounds
 #: 4 ranks on 2 cores, only moved with the 2-rank one.
 CMA_ALL_REDUCE_BYTES = 3 << 19
 #: ``0``: this rank votes against the single-copy path (and so turns it off for its
-#: groups); ``1``: for it, whatever the kernel's speed; unset: for it where the kernel
-#: copies fast enough (:func:`cma_pays_off`).
+#: groups); ``1``: for it from ``cma_min_bytes(n)``, whatever the kernel's speed; unset:
+#: for it where the kernel copies fast enough (:func:`cma_from_bytes`).
 CMA_ENV = "COLLECTIVES_SHM_CMA"
 #: The kernel's copy between processes may cost at most this many times a user-space copy
 #: of the same bytes for the single copy to pay. Per rank and message M (2 ranks), staging
@@ -66,10 +70,19 @@ CMA_ENV = "COLLECTIVES_SHM_CMA"
 #: kernel (two reads of M/2): 1.5 + 2k < 4 where k is the kernel's cost per byte against
 #: memcpy's.
 CMA_MAX_COST = 1.25
-#: Bytes copied by each of the measurements of :func:`cma_pays_off`.
+#: The same bound for the larger measurement (8 MiB), where staging costs more than its
+#: bytes say (a phase per chunk, chunks that leave the cache): on the 2-core VM where the
+#: kernel's copy measured 1.0-1.3 times memcpy at 8 MiB (two ranks measuring at once, as
+#: they do at start-up), the single copy took 16 MiB in 1.5-1.9 ms against 2.4-2.6 ms
+#: staged, 1.3-1.7 times faster where the traffic alone says 1.0-1.1.
+CMA_MAX_COST_LARGE = 1.5
+#: Bytes copied by each of the measurements of :func:`cma_from_bytes`; the second size
+#: only where the kernel's copy did not pay at the first.
 _PROBE_BYTES = 1 << 20
+_LARGE_PROBE_BYTES = 8 << 20
 
-_pays_off: "bool | None" = None
+#: This process's line (:func:`cma_from_bytes`), once measured.
+_from_bytes: "int | None" = None
 #: Seconds a rank that found a peer's memory gone waits to see it die before it says so.
 _EXIT_GRACE = 2.0
 
@@ -95,17 +108,30 @@ def cma_cost_ratio(mod, nbytes: int = _PROBE_BYTES, rounds: int = 3) -> float:
     return kernel / max(user, 1e-9)
 
 
-def cma_pays_off(mod) -> bool:
-    """Whether this process votes for the single-copy path on speed: measured once per
-    process (about a millisecond), when its first group on the core is made (outside any
-    collective, so that peers waiting in a phase do not share the cores with it). On the
-    2-core VM of the README's figures (Linux 6.18, 4 KiB pages) the kernel's copy costs
-    3.5 to 5 times memcpy's and staging won at every size and world size; on the
-    machine the path was built on it won by 10-25% from 2 MiB."""
-    global _pays_off
-    if _pays_off is None:
-        _pays_off = cma_cost_ratio(mod) <= CMA_MAX_COST
-    return _pays_off
+def cma_from_bytes(mod) -> int:
+    """The smallest all_reduce this process votes to read in place on speed (0: none),
+    measured once per process when its first group on the core is made (outside any
+    collective, so that peers waiting in a phase do not share the cores with it).
+
+    The kernel's copy has a cost per page that memcpy of a small message, in cache, does
+    not; against memcpy of a large one, which goes to memory, it can catch up. So: where
+    it pays at 1 MiB (about a millisecond to measure), from :data:`CMA_ALL_REDUCE_BYTES`;
+    else where it pays at 8 MiB (:data:`CMA_MAX_COST_LARGE`; about 11 ms more), from 8
+    MiB; else never. Measured:
+    on the 2-core VM of the README's first figures (Linux 6.18) the kernel's copy cost
+    3.5 to 5 times memcpy at 1 MiB and staging won at every size and world size; on a
+    later one 1.6-1.8 times at 1 MiB, 1.3 at 4 MiB and 1.0-1.1 at 8 and 16 MiB, where
+    the single copy took 16 MiB in 1.87 ms against 2.5-2.6 ms staged (4 MiB: a tie);
+    on the machine the path was built on it won by 10-25% from 2 MiB."""
+    global _from_bytes
+    if _from_bytes is None:
+        if cma_cost_ratio(mod) <= CMA_MAX_COST:
+            _from_bytes = CMA_ALL_REDUCE_BYTES
+        elif cma_cost_ratio(mod, _LARGE_PROBE_BYTES) <= CMA_MAX_COST_LARGE:
+            _from_bytes = _LARGE_PROBE_BYTES
+        else:
+            _from_bytes = 0
+    return _from_bytes
 
 
 def cma_min_bytes(size: int) -> int:
@@ -123,13 +149,20 @@ class CmaReduce:
 
     _cma = None
 
-    def _cma_able(self) -> bool:
-        """Whether this rank can read its peers' memory (its vote in phase 1)."""
+    def _cma_line(self) -> int:
+        """This rank's vote in phase 1: the smallest message it reads its peers' memory
+        for (0: none, it cannot or must not)."""
         if not (self._native is not None and sys.platform.startswith("linux")
                 and all(self._pid_checkable[r] for r in self._peers)):
-            return False
+            return 0
         setting = os.environ.get(CMA_ENV, "").strip()
-        return setting != "0" and (setting == "1" or cma_pays_off(self._native_module))
+        if setting == "0":
+            return 0
+        low = cma_min_bytes(self.size)
+        if setting == "1":
+            return low
+        line = cma_from_bytes(self._native_module)
+        return max(low, line) if line else 0
 
     def _cma_all_reduce(self, a: np.ndarray, op: ReduceOp, seq: int) -> bool:
         """all_reduce of the flat ``a`` through the peers' memory; False (having agreed
@@ -139,12 +172,18 @@ class CmaReduce:
         q = self._enter()
         words = self._sv(q & 1, me, np.uint64)
         words[0] = a.ctypes.data
-        words[1] = int(self._cma_able())
+        words[1] = self._cma_line()
         self._exchange(q)
         published = [self._sv(q & 1, r, np.uint64) for r in range(n)]
         addrs = [int(w[0]) for w in published]
-        if not all(int(w[1]) for w in published):
+        lines = [int(w[1]) for w in published]
+        if not all(lines):
             self._cma = False
+            return False
+        line = max(lines)   # (the same words on every rank: the same line everywhere)
+        if line > self._cma_bytes:
+            self._cma_bytes = line
+        if a.nbytes < line:
             return False
         mod = self._native_module
         if self._cma is None:

@@ -29,7 +29,7 @@ from collectives.reduce_op import ReduceOp
 
 from . import segment as sg
 from .channels import RecvOp
-from .cma import CMA_ENV, cma_pays_off
+from .cma import CMA_ENV, cma_from_bytes
 from .native import NativeDoorbells, native_module, wait_policy
 from .ops import _DTYPE_CODE, _REDOP_BY_ID, OP_ALL_REDUCE, fingerprint
 from .reduce import ReduceOps
@@ -81,7 +81,7 @@ class NativePaths:
         if mod is None:
             return
         if os.environ.get(CMA_ENV, "").strip() not in ("0", "1"):
-            cma_pays_off(mod)   # measured now, outside any collective (once per process)
+            cma_from_bytes(mod)   # measured now, outside any collective (once per process)
         lay, seg = self._layout, self._seg
         mode = self._bells.mode
         core = mod.Group(seg.mm, lay.ctrl_off, lay.data_off, lay.chunk, self.rank,
