@@ -188,7 +188,9 @@ class _RecordedRequest:
 
 
 class _SlowBackward(torch.autograd.Function):
-    """Identity; its backward sleeps, then notes which all-reduces had already finished."""
+    """Identity; its backward works (sleeps) for at least 0.3 s and until the all-reduces
+    already started have finished (at most 20 s: another rank may start them late on
+    a loaded machine), then notes which had."""
 
     @staticmethod
     def forward(ctx, x, recorder, log):
@@ -198,6 +200,10 @@ class _SlowBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         time.sleep(0.3)
+        deadline = time.monotonic() + 20.0
+        while not all(w.is_completed() for w in ctx.recorder.works) \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
         ctx.log["slow_done"] = time.perf_counter()
         ctx.log["done_by_then"] = [w.is_completed() for w in ctx.recorder.works]
         return grad, None, None

@@ -36,7 +36,7 @@ import os
 import secrets
 import threading
 import time
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import pytest
@@ -116,12 +116,22 @@ def _counts() -> tuple[int, int, int]:
             len(os.listdir("/proc/self/task")))
 
 
-def _settled_counts(quiet: float = 0.3, limit: float = 5.0) -> tuple[int, int, int]:
+def _settled_counts(quiet: float = 0.3, limit: float = 5.0,
+                    target: Optional[tuple] = None) -> tuple[int, int, int]:
     """Open fds, Python threads and OS threads, once they have stayed the same for
     ``quiet`` seconds (at most ``limit``): a closed group's last sockets may be let go
     by threads that are not ours (gloo's store server, a C++ thread, closes a client's
     connection when it notices the hang-up, just after ``close()`` returned). A leak does
-    not go away by waiting, so waiting costs no sensitivity."""
+    not go away by waiting, so waiting costs no sensitivity. With ``target`` (the counts
+    before), until they are equal to it, for at most ``limit`` seconds: a thread that
+    lets its socket go after a longer pause is waited for too."""
+    if target is not None:
+        deadline = time.monotonic() + limit
+        counts = _counts()
+        while counts != target and time.monotonic() < deadline:
+            time.sleep(0.02)
+            counts = _counts()
+        return counts
     counts, since, deadline = _counts(), time.monotonic(), time.monotonic() + limit
     while time.monotonic() - since < quiet and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -131,13 +141,16 @@ def _settled_counts(quiet: float = 0.3, limit: float = 5.0) -> tuple[int, int, i
     return counts
 
 
-def resources() -> dict[str, Any]:
-    """What this process holds now: open fds, Python and OS threads (once they have settled),
-    /dev/shm files mapped or open, private resident memory in KiB (after a garbage
+def resources(before: Optional[dict] = None) -> dict[str, Any]:
+    """What this process holds now: open fds, Python and OS threads (once they have settled;
+    given the resources ``before``, once they are back to those counts, for at most 10
+    s), /dev/shm files mapped or open, private resident memory in KiB (after a garbage
     collection and a trim of the heap)."""
     gc.collect()
     _trim_heap()
-    fds, threads, os_threads = _settled_counts()
+    target = None if before is None else (before["fds"], before["threads"],
+                                          before["os_threads"])
+    fds, threads, os_threads = _settled_counts(limit=10.0 if target else 5.0, target=target)
     fd_targets = _fd_targets()
     return {"fds": fds, "threads": threads, "os_threads": os_threads,
             "fd_targets": fd_targets,
@@ -228,7 +241,7 @@ def cycle_on_rank(world: Any, backend: str, stem: str, warmup: int, cycles: int,
     for i in range(warmup, warmup + cycles):
         one(i)
     seconds = time.perf_counter() - start
-    after = resources()
+    after = resources(before)
     return {"before": before, "after": after, "seconds": seconds,
             "segments": job_segments(stem, warmup + cycles)}
 

@@ -359,16 +359,15 @@ def check_idle(pg, t: float = 0.015, M: int = 8) -> dict:
     return out
 
 
-def test_measured_bubble_matches_theory():
-    """P=4, M=8: the measured step against the schedule replayed with the stages' costs;
-    GPipe and 1F1B at (P-1)/(M+P-1); interleaved below 1F1B, ZB-H1 below both."""
-    P, M = 4, 8
+def _bubble_problems(P: int, M: int) -> tuple[list, dict]:
+    """One measured run of every schedule (P stages, M micro-batches) against the theory:
+    what is off (empty: nothing), and the measured (bubble, idle) per schedule."""
     gc.disable()   # a full collection holds every thread (0.2 s seen): not the schedule's
     try:
         per_rank = run_threads(check_idle, P, timeout=60)
     finally:
         gc.enable()
-    measured, theory = {}, {}
+    measured, theory, problems = {}, {}, []
     for name in RUNTIMES:
         S = P * (2 if name == "interleaved" else 1)
         timelines = [r[name][0] for r in per_rank]
@@ -376,15 +375,30 @@ def test_measured_bubble_matches_theory():
         measured[name] = (pipeline_bubble(timelines), idle_fraction(timelines))
         theory[name] = (pipeline_bubble(ideal), idle_fraction(ideal))
     for name in RUNTIMES:   # margins for 4 threads' sleeps on 2 loaded cores
-        assert abs(measured[name][0] - theory[name][0]) < 0.05, (name, measured, theory)
-        assert abs(measured[name][1] - theory[name][1]) < 0.08, (name, measured, theory)
+        if abs(measured[name][0] - theory[name][0]) >= 0.05 \
+                or abs(measured[name][1] - theory[name][1]) >= 0.08:
+            problems.append(f"{name}: measured {measured[name]}, theory {theory[name]}")
     for name in ("gpipe", "1f1b"):   # equal costs everywhere: (P-1)/(M+P-1)
-        assert abs(measured[name][0] - (P - 1) / (M + P - 1)) < 0.05, (name, measured)
+        if abs(measured[name][0] - (P - 1) / (M + P - 1)) >= 0.05:
+            problems.append(f"{name}: bubble {measured[name][0]} against (P-1)/(M+P-1)")
         uniform = replay(per_rank[0][name][1], P, lambda a: 1.0 + (a.kind == "B"))
         assert pipeline_bubble(uniform) == pytest.approx((P - 1) / (M + P - 1))
         assert idle_fraction(uniform) == pytest.approx((P - 1) / (M + P - 1))
     bubble = {name: value[0] for name, value in measured.items()}
-    assert bubble["zb"] < bubble["interleaved"] < bubble["1f1b"], measured
+    if not bubble["zb"] < bubble["interleaved"] < bubble["1f1b"]:
+        problems.append(f"not zb < interleaved < 1f1b: {bubble}")
+    return problems, measured
+
+
+def test_measured_bubble_matches_theory():
+    """P=4, M=8: the measured step against the schedule replayed with the stages' costs;
+    GPipe and 1F1B at (P-1)/(M+P-1); interleaved below 1F1B, ZB-H1 below both. Four
+    threads' sleeps on two loaded cores: a run that misses is measured once more (a
+    wrong schedule misses every time; a stalled core, once)."""
+    problems, _ = _bubble_problems(4, 8)
+    if problems:
+        again, measured = _bubble_problems(4, 8)
+        assert not again, (again, f"the run before: {problems}", measured)
 
 
 # ------------------------------------------------------------------ bad input
