@@ -313,6 +313,48 @@ def _both_paths_job() -> dict:
     return out
 
 
+def _capped_pieces_job() -> dict:
+    """The default 1 MiB slot, whose pipelined pieces are capped at PIECE_MAX_BYTES: the
+    native, Python and mixed groups cut a large all_reduce (and reduce) alike."""
+    from backends.shm.reduce import PIECE_MAX_BYTES
+    pg = collectives.init_process_group()
+    me = pg.rank
+    os.environ[native.NATIVE_ENV] = "0"
+    python = pg.new_group([0, 1])
+    os.environ[native.NATIVE_ENV] = "1" if me == 0 else "0"
+    mixed = pg.new_group([0, 1])
+    del os.environ[native.NATIVE_ENV]
+    os.environ["COLLECTIVES_SHM_CMA"] = "0"   # (the staged path at every size)
+    chunk = pg._piece_layout(4)[1] * 4
+    bad = []
+    for count in (chunk // 4 - 3, 5 * chunk // 4 + 17, 300_001):
+        x = np.random.default_rng([me, count]).standard_normal(count).astype(np.float32)
+        for what in ("all_reduce", "reduce"):
+            outs = []
+            for g in (pg, python, mixed):
+                y = x.copy()
+                if what == "all_reduce":
+                    g.all_reduce(y)
+                else:
+                    g.reduce(y, dst=1)
+                outs.append(y)
+            if not all(_same(o, outs[0]) for o in outs[1:]):
+                bad.append(f"{what} n={count}")
+    out = {"bad": bad, "capped": pg._piece_layout(1)[0] == PIECE_MAX_BYTES < pg._S // 3,
+           "native": [pg.native, python.native, mixed.native]}
+    for g in (mixed, python, pg):
+        g.close()
+    return out
+
+
+@needs_core
+def test_capped_pieces_agree_on_every_path():
+    results = collectives.spawn(_capped_pieces_job, 2, backend="shm", timeout=60)
+    for r, res in enumerate(results):
+        assert res["capped"] and not res["bad"], (r, res)
+    assert results[0]["native"] == [True, False, True], results
+
+
 @needs_core
 def test_native_python_and_mixed_groups_agree_bitwise_and_talk():
     results = collectives.spawn(_both_paths_job, 2, backend="shm", timeout=60,

@@ -926,6 +926,10 @@ static void copy_out_chunk(Group *g, char *a, int bank, Py_ssize_t total, Py_ssi
     }
 }
 
+/* The pipelined reduce's largest piece (reduce.py's PIECE_MAX_BYTES, checked at load):
+ * a phase's copies and reduction then stay within a core's L2 (see reduce.py). */
+#define PIECE_MAX_BYTES (64 * 1024)
+
 static PyObject *G_pipelined(Group *g, PyObject *const *args, Py_ssize_t nargs) {
     uint64_t q0, fp0, fp1;
     int code, op, result, n = g->size, me = g->rank, status = DONE;
@@ -944,6 +948,7 @@ static PyObject *G_pipelined(Group *g, PyObject *const *args, Py_ssize_t nargs) 
     int itemsize = KERNELS[code].itemsize;
     /* reduce.py's _piece_layout: pieces of P elements, chunks of n pieces */
     Py_ssize_t piece_bytes = g->chunk / (n + 1) / 64 * 64, align = 64 / itemsize;
+    if (piece_bytes > PIECE_MAX_BYTES) piece_bytes = PIECE_MAX_BYTES;
     Py_ssize_t P = piece_bytes / itemsize > 0 ? piece_bytes / itemsize : 1, C = n * P;
     if (align < 1) align = 1;
     Py_ssize_t total = view.len / itemsize, K = (total + C - 1) / C;
@@ -1499,5 +1504,6 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "DECLINED", DECLINED);
     PyModule_AddIntConstant(m, "NOT_TAKEN", NOT_TAKEN);
     PyModule_AddIntConstant(m, "OP_ALL_REDUCE", OP_ALL_REDUCE_CODE);
+    PyModule_AddIntConstant(m, "PIECE_MAX_BYTES", PIECE_MAX_BYTES);
     return m;
 }

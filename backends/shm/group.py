@@ -188,8 +188,9 @@ class ShmGroup(NativePaths, SymmetricHeap, CmaReduce, ReduceOps, CollectiveOps,
     def size_thresholds(self) -> tuple[SizeThreshold, ...]:
         """shm's own lines: the one-phase reduce, the single-copy all_reduce (cma.py), a
         message's split into slots of S bytes
-        (S/n per rank where every rank's part of one input shares a slot), and a point to
-        point message that wraps around its ring."""
+        (S/n per rank where every rank's part of one input shares a slot) and a reduce's
+        into chunks of n pieces (``reduce.PIECE_MAX_BYTES``), and a point to point message
+        that wraps around its ring."""
         S, n = self._S, self.size
         return (
             SizeThreshold("shm.reduce.SMALL_REDUCE_BYTES", self._small_limit,
@@ -198,6 +199,9 @@ class ShmGroup(NativePaths, SymmetricHeap, CmaReduce, ReduceOps, CollectiveOps,
                           ("all_reduce",)),
             SizeThreshold("shm.slot (COLLECTIVES_SHM_CHUNK_BYTES)", S,
                           ("broadcast", "all_reduce", "reduce", "all_gather", "gather")),
+            SizeThreshold("shm.reduce.PIECE_MAX_BYTES x size (a pipelined chunk)",
+                          self._piece_layout(1)[1],
+                          ("all_reduce", "reduce")),
             SizeThreshold("shm.slot / size", S // n, ("scatter", "reduce_scatter",
                                                       "all_to_all")),
             SizeThreshold("shm.ring (COLLECTIVES_SHM_RING_BYTES)",

@@ -47,6 +47,14 @@ from .ops import _ALIGN, _DTYPE_CODE, _REDOP_BY_ID, OP_ALL_REDUCE, OP_REDUCE
 
 #: all_reduce/reduce up to this many bytes take the one-phase path.
 SMALL_REDUCE_BYTES = 32 << 10
+#: The pipelined path's largest piece (the compiled core's own, checked when it loads):
+#: a phase's copy in, reduction and copy out then touch a few hundred KiB, within a
+#: core's L2, where pieces of a third of the 1 MiB slot spilled it. Measured on 2 vCPUs
+#: (the staged path, the three builds in turn, two or three runs each): at 2 ranks 4 MiB
+#: in 519-567 us against 580-604 us uncapped, 16 MiB in 2.09-2.30 ms against 2.39-2.59;
+#: at 4 ranks 4 MiB in 1.80-1.82 ms against 1.91-2.07, 16 MiB 7.07-7.39 against
+#: 7.62-8.47; 1 MiB the same. 128 KiB gained at 2 ranks only, 32 KiB as 64 KiB.
+PIECE_MAX_BYTES = 64 << 10
 
 #: ReduceOp -> numpy ufunc, keyed by id(): hashing an Enum member runs Python code. The
 #: table is collectives.reduce_op's, so there is one definition of every operator.
@@ -151,8 +159,9 @@ class ReduceOps:
     # ------------------------------------------------------------------ large
     def _piece_layout(self, itemsize: int) -> tuple[int, int]:
         """(P, C): elements per piece and per chunk. A slot holds the chunk's input part
-        (C = n x P elements) followed by one output piece (P): (n + 1) x P elements."""
-        piece_bytes = self._S // (self.size + 1) // _ALIGN * _ALIGN
+        (C = n x P elements) followed by one output piece (P): (n + 1) x P elements, at
+        most :data:`PIECE_MAX_BYTES` a piece."""
+        piece_bytes = min(self._S // (self.size + 1) // _ALIGN * _ALIGN, PIECE_MAX_BYTES)
         P = max(1, piece_bytes // itemsize)
         return P, self.size * P
 
