@@ -13,8 +13,9 @@ The contract (every backend keeps it):
   being a shared mapping on shm, a forked child's writes to it show in the parent), and
   it is freed when nothing refers to it any more. There is no explicit free: a backend
   may keep what it needs to share a buffer (the peers' mappings) until this rank's
-  buffer is gone and then until its next ``alloc_symmetric`` or ``close()``, not longer
-  (shm), so a process that builds model after model on one group (DDP makes a buffer
+  buffer is gone and then until its next collective that looks for buffers (shm: a
+  large all_reduce, a persistent request) or ``alloc_symmetric`` or ``close()``, not
+  longer, so a process that builds model after model on one group (DDP makes a buffer
   per bucket) holds only the live ones.
 - Where a backend cannot share a buffer (shm: /dev/shm full, a peer's file not
   mappable), every rank gets plain memory alike and a ``RuntimeWarning`` says why. What it

@@ -16,9 +16,10 @@ killed in between left behind (the name carries the job's digest).
 
 Lifetime: the group keeps the peers' mappings of a buffer (in ``_symmetric``), never this
 rank's own, so the own buffer is the caller's: once nothing refers to it any more (no
-array, view or tensor over it; no plan, see ``_symmetric_plan``) its mapping goes, and
-the group forgets its mappings of the peers' copies at its next ``alloc_symmetric`` (or
-close). The pages come back once every rank has let its copy go. So a process that builds
+array, view or tensor over it; no plan, see ``_symmetric_plan``, and no entry of the
+fast path's view cache: both are dropped at every ``alloc_symmetric``) its mapping
+goes, and the group forgets its mappings of the peers' copies before it next places an
+array (a large all_reduce, a persistent request) or allocates (or at close). The pages come back once every rank has let its copy go. So a process that builds
 model after model on one group (DDP makes a buffer per bucket) holds the buffers of the
 models alive, not of every model ever built. The entry stays in the table as an empty
 range, so every rank keeps voting in a large all_reduce (whether a rank votes depends on
@@ -86,7 +87,7 @@ class SymmetricHeap:
     #: Indexes into ``_symmetric`` whose own buffer has been freed (appended by a
     #: finalizer, from whichever thread dropped the last reference; forgotten by
     #: ``_forget_freed_symmetric`` on the group's own calls). Each group makes its own.
-    _symmetric_freed: list = []
+    _symmetric_freed: "list | tuple" = ()
     #: id(array) -> (array, dtype, (i + 1, o), own piece or None, the pieces to reduce in
     #: rank order, the peers' copies of the piece), and the same by ((i + 1, o), nbytes,
     #: dtype): see _symmetric_plan. (Empty here; a group writes only into its own.)
@@ -94,6 +95,10 @@ class SymmetricHeap:
     _symmetric_places: dict = {}
 
     def _alloc_symmetric(self, nbytes: int, where: str) -> np.ndarray:
+        # Drop what holds arrays (so a buffer referred to by nothing else goes now),
+        # then the entries of the buffers gone.
+        self._symmetric_plans, self._symmetric_places = {}, {}
+        self._host_views.clear()   # (the fast path's views of small tensors: same)
         self._forget_freed_symmetric()
         index = self._symmetric_count
         self._symmetric_count += 1
@@ -150,11 +155,12 @@ class SymmetricHeap:
         return buf
 
     def _forget_freed_symmetric(self) -> None:
-        """Let go of the peers' mappings of every buffer whose own copy is gone here
-        (its entry becomes an empty range), and of the plans, which hold arrays, so
-        that buffers referred to by nothing else go now (their entries are forgotten
-        in the same call: the finalizer runs as the last reference drops)."""
-        self._symmetric_plans, self._symmetric_places = {}, {}
+        """Let go of the peers' mappings of every buffer whose own copy is gone here:
+        its entry becomes an empty range. Called before any array is placed
+        (``_symmetric_place``), not only at the next allocation: the kernel hands a
+        freed range out again at once, and an array there must not be taken for one in
+        the old buffer (every rank would vote for the old place and reduce with the
+        peers' old copies). No plan refers to a freed buffer: a plan holds its array."""
         freed = self._symmetric_freed
         if freed:
             table = list(self._symmetric)
@@ -212,6 +218,8 @@ class SymmetricHeap:
 
     def _symmetric_place(self, a: np.ndarray) -> tuple[int, int]:
         """(buffer index + 1, offset) of ``a`` in this rank's buffers; (0, 0) if outside."""
+        if self._symmetric_freed:
+            self._forget_freed_symmetric()
         lo = a.ctypes.data
         hi = lo + a.nbytes
         for i, (start, nbytes, _) in enumerate(self._symmetric):
