@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import warnings
 import weakref
 
@@ -73,6 +74,10 @@ _VOTE_MARK = 0xFFFF << 16
 #: Arrays whose plan a group keeps (a persistent request or a loop over one buffer uses
 #: one); past it the plans start over.
 _PLANS_MAX = 16
+#: Held while a group's table of buffers is rebuilt (an entry added, freed ones
+#: forgotten): the caller's thread and the group's async thread may both do it (an
+#: allocation while a large all_reduce runs async), and neither may lose the other's.
+_TABLE_LOCK = threading.Lock()
 
 
 class SymmetricHeap:
@@ -149,9 +154,10 @@ class SymmetricHeap:
             self._symmetric_freed = []
         # When the mapping goes (every array over it gone), note its entry; a list's
         # append is atomic, and the finalizer holds the list, not the group.
-        weakref.finalize(mine, self._symmetric_freed.append,
-                         len(self._symmetric)).atexit = False
-        self._symmetric = self._symmetric + ((buf.ctypes.data, nbytes, views),)
+        with _TABLE_LOCK:
+            weakref.finalize(mine, self._symmetric_freed.append,
+                             len(self._symmetric)).atexit = False
+            self._symmetric = self._symmetric + ((buf.ctypes.data, nbytes, views),)
         return buf
 
     def _forget_freed_symmetric(self) -> None:
@@ -163,12 +169,13 @@ class SymmetricHeap:
         peers' old copies). No plan refers to a freed buffer: a plan holds its array."""
         freed = self._symmetric_freed
         if freed:
-            table = list(self._symmetric)
-            while freed:
-                index = freed.pop()
-                if index < len(table):   # (a table emptied by close: nothing to forget)
-                    table[index] = (0, 0, None)
-            self._symmetric = tuple(table)
+            with _TABLE_LOCK:
+                table = list(self._symmetric)
+                while freed:
+                    index = freed.pop()
+                    if index < len(table):   # (a table emptied by close: none to forget)
+                        table[index] = (0, 0, None)
+                self._symmetric = tuple(table)
 
     def _all_ranks(self, values: list) -> np.ndarray:
         """``values`` (ints) of every rank, one row per rank (an all_gather)."""
