@@ -65,6 +65,9 @@ class SymmetricCalls:
                 or nbytes < 0:
             raise ValueError(f"{where}: argument `nbytes` must be a non-negative int, got "
                              f"{nbytes!r}")
+        # The fast path's views of small tensors would keep earlier buffers alive (see
+        # the contract: a buffer nothing refers to is freed); they are found again.
+        self._host_views.clear()
         return self._alloc_symmetric(int(nbytes), where)
 
     def _alloc_symmetric(self, nbytes: int, where: str) -> np.ndarray:

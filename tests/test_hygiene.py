@@ -116,22 +116,25 @@ def _counts() -> tuple[int, int, int]:
             len(os.listdir("/proc/self/task")))
 
 
-def _settled_counts(quiet: float = 0.3, limit: float = 5.0,
-                    target: Optional[tuple] = None) -> tuple[int, int, int]:
+def _counts_back_to(target: tuple, limit: float = 10.0) -> tuple[int, int, int]:
+    """Open fds, Python threads and OS threads once they equal ``target`` (the counts
+    before the cycles), or after ``limit`` seconds: a thread that lets its socket go
+    after a longer pause (see :func:`_settled_counts`) is waited for too; a leak does not
+    go away by waiting, so waiting costs no sensitivity."""
+    deadline = time.monotonic() + limit
+    counts = _counts()
+    while counts != target and time.monotonic() < deadline:
+        time.sleep(0.02)
+        counts = _counts()
+    return counts
+
+
+def _settled_counts(quiet: float = 0.3, limit: float = 5.0) -> tuple[int, int, int]:
     """Open fds, Python threads and OS threads, once they have stayed the same for
     ``quiet`` seconds (at most ``limit``): a closed group's last sockets may be let go
     by threads that are not ours (gloo's store server, a C++ thread, closes a client's
     connection when it notices the hang-up, just after ``close()`` returned). A leak does
-    not go away by waiting, so waiting costs no sensitivity. With ``target`` (the counts
-    before), until they are equal to it, for at most ``limit`` seconds: a thread that
-    lets its socket go after a longer pause is waited for too."""
-    if target is not None:
-        deadline = time.monotonic() + limit
-        counts = _counts()
-        while counts != target and time.monotonic() < deadline:
-            time.sleep(0.02)
-            counts = _counts()
-        return counts
+    not go away by waiting, so waiting costs no sensitivity."""
     counts, since, deadline = _counts(), time.monotonic(), time.monotonic() + limit
     while time.monotonic() - since < quiet and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -148,9 +151,8 @@ def resources(before: Optional[dict] = None) -> dict[str, Any]:
     collection and a trim of the heap)."""
     gc.collect()
     _trim_heap()
-    target = None if before is None else (before["fds"], before["threads"],
-                                          before["os_threads"])
-    fds, threads, os_threads = _settled_counts(limit=10.0 if target else 5.0, target=target)
+    fds, threads, os_threads = (_settled_counts() if before is None else _counts_back_to(
+        (before["fds"], before["threads"], before["os_threads"])))
     fd_targets = _fd_targets()
     return {"fds": fds, "threads": threads, "os_threads": os_threads,
             "fd_targets": fd_targets,
@@ -159,7 +161,13 @@ def resources(before: Optional[dict] = None) -> dict[str, Any]:
 
 
 def leaks(before: dict[str, Any], after: dict[str, Any], rss_slack_kib: int) -> list[str]:
-    """What grew from ``before`` to ``after`` beyond the bounds (empty: nothing)."""
+    """What grew from ``before`` to ``after`` beyond the bounds (empty: nothing): the
+    exact counts (:func:`count_leaks`), then memory (:func:`memory_leak`)."""
+    return count_leaks(before, after) + memory_leak(before, after, rss_slack_kib)
+
+
+def count_leaks(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """The fds, threads and /dev/shm files that differ from ``before`` to ``after``."""
     problems = [f"{key}: {before[key]} -> {after[key]}"
                 for key in ("fds", "threads", "os_threads", "shm_files")
                 if before[key] != after[key]]
@@ -167,11 +175,16 @@ def leaks(before: dict[str, Any], after: dict[str, Any], rss_slack_kib: int) -> 
         gone = sorted(set(before["fd_targets"]) - set(after["fd_targets"]))
         new = sorted(set(after["fd_targets"]) - set(before["fd_targets"]))
         problems.append(f"fds closed: {gone}, opened: {new}")
-    grown = after["rss_kib"] - before["rss_kib"]
-    if grown > rss_slack_kib:
-        problems.append(f"rss grew by {grown} KiB (> {rss_slack_kib} KiB): "
-                        f"{before['rss_kib']} -> {after['rss_kib']} KiB")
     return problems
+
+
+def memory_leak(before: dict[str, Any], after: dict[str, Any], slack_kib: int) -> list[str]:
+    """Private memory grown by more than ``slack_kib`` (a list of one, or empty)."""
+    grown = after["rss_kib"] - before["rss_kib"]
+    if grown <= slack_kib:
+        return []
+    return [f"rss grew by {grown} KiB (> {slack_kib} KiB): "
+            f"{before['rss_kib']} -> {after['rss_kib']} KiB"]
 
 
 def fresh_world(world: Any, backend: str, job_id: str, port: int) -> Any:
@@ -272,15 +285,16 @@ def _batch(pool: WorldPool, how: str, warmup: int, cycles: int) -> tuple[list, l
     stem = f"hygiene-{secrets.token_hex(4)}"
     results = pool.call(cycle_on_rank, pool.backend, stem, warmup, cycles, how,
                         timeout=pool.timeout + 30.0 + cycles * 2.0)
-    found = [f"rank {rank}: {p}" for rank, res in enumerate(results)
-             for p in leaks(res["before"], res["after"], RSS_SLACK_KIB)]
-    found += [f"rank {rank}: segments left: {res['segments']}"
+    exact = [f"rank {rank}: {p}" for rank, res in enumerate(results)
+             for p in count_leaks(res["before"], res["after"])]
+    exact += [f"rank {rank}: segments left: {res['segments']}"
               for rank, res in enumerate(results) if res["segments"]]
     left = job_segments(stem, warmup + cycles)  # the parent's view
     if left:
-        found.append(f"segments left in {SHM_DIR}: {left}")
-    rss = [p for p in found if ": rss grew by " in p]
-    return results, rss, [p for p in found if p not in rss]
+        exact.append(f"segments left in {SHM_DIR}: {left}")
+    rss = [f"rank {rank}: {p}" for rank, res in enumerate(results)
+           for p in memory_leak(res["before"], res["after"], RSS_SLACK_KIB)]
+    return results, rss, exact
 
 
 def _check(pool: WorldPool, how: str, cycles: int = CYCLES) -> None:

@@ -1487,9 +1487,11 @@ PyMODINIT_FUNC PyInit__native(void) {
         Py_DECREF(m);
         return NULL;
     }
-    /* What this file assumes of segment.py and ops.py; native.py checks it at import. */
-    PyModule_AddObject(m, "LAYOUT", Py_BuildValue("(iiiiii)", CTRL_STRIDE, W_ARRIVED, W_FP,
-                                                  W_STATE, W_SLEEPERS, BELL_BYTE));
+    /* What this file assumes of segment.py, ops.py and reduce.py; native.py checks it at
+     * import. */
+    PyModule_AddObject(m, "LAYOUT", Py_BuildValue("(iiiiiii)", CTRL_STRIDE, W_ARRIVED, W_FP,
+                                                  W_STATE, W_SLEEPERS, BELL_BYTE,
+                                                  PIECE_MAX_BYTES));
     PyModule_AddObject(m, "DTYPE_CODES", Py_BuildValue(
         "{sisisisisisisisisisi}", "float16", T_F16, "bfloat16", T_BF16, "float32", T_F32,
         "float64", T_F64, "int8", T_I8, "uint8", T_U8, "int16", T_I16, "int32", T_I32,
@@ -1504,6 +1506,5 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "DECLINED", DECLINED);
     PyModule_AddIntConstant(m, "NOT_TAKEN", NOT_TAKEN);
     PyModule_AddIntConstant(m, "OP_ALL_REDUCE", OP_ALL_REDUCE_CODE);
-    PyModule_AddIntConstant(m, "PIECE_MAX_BYTES", PIECE_MAX_BYTES);
     return m;
 }

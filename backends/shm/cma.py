@@ -117,12 +117,12 @@ def cma_from_bytes(mod) -> int:
     not; against memcpy of a large one, which goes to memory, it can catch up. So: where
     it pays at 1 MiB (about a millisecond to measure), from :data:`CMA_ALL_REDUCE_BYTES`;
     else where it pays at 8 MiB (:data:`CMA_MAX_COST_LARGE`; about 11 ms more), from 8
-    MiB; else never. Measured:
-    on the 2-core VM of the README's first figures (Linux 6.18) the kernel's copy cost
-    3.5 to 5 times memcpy at 1 MiB and staging won at every size and world size; on a
-    later one 1.6-1.8 times at 1 MiB, 1.3 at 4 MiB and 1.0-1.1 at 8 and 16 MiB, where
-    the single copy took 16 MiB in 1.87 ms against 2.5-2.6 ms staged (4 MiB: a tie);
-    on the machine the path was built on it won by 10-25% from 2 MiB."""
+    MiB; else never. Measured: on the 2-core VM of the README's first figures (Linux
+    6.18) the kernel's copy cost 3.5 to 5 times memcpy at 1 MiB and staging won at every
+    size and world size; on a later one 1.6-1.8 times at 1 MiB, 1.3 at 4 MiB and 1.0-1.1
+    at 8 and 16 MiB, where the single copy took 16 MiB in 1.87 ms against 2.5-2.6 ms
+    staged (4 MiB: a tie); on the machine the path was built on it won by 10-25% from 2
+    MiB."""
     global _from_bytes
     if _from_bytes is None:
         if cma_cost_ratio(mod) <= CMA_MAX_COST:
@@ -181,8 +181,7 @@ class CmaReduce:
             self._cma = False
             return False
         line = max(lines)   # (the same words on every rank: the same line everywhere)
-        if line > self._cma_bytes:
-            self._cma_bytes = line
+        self._cma_bytes = max(self._cma_bytes, line)
         if a.nbytes < line:
             return False
         mod = self._native_module

@@ -66,11 +66,10 @@ def _load() -> Optional[ModuleType]:
               PIECE_MAX_BYTES)
     codes = {dtype_name(c): c for c in _DTYPE_CODE.values()}
     redops = {op.name: c for op, c in _REDOP_CODE.items()}
-    built = (*mod.LAYOUT, getattr(mod, "PIECE_MAX_BYTES", None))
-    if built != layout or dict(mod.DTYPE_CODES) != codes or \
+    if tuple(mod.LAYOUT) != layout or dict(mod.DTYPE_CODES) != codes or \
             dict(mod.REDOP_CODES) != redops or getattr(mod, "OP_ALL_REDUCE", None) \
             != OP_ALL_REDUCE:
-        _load_error = (f"it was built for another layout ({built}, {mod.DTYPE_CODES}, "
+        _load_error = (f"it was built for another layout ({mod.LAYOUT}, {mod.DTYPE_CODES}, "
                        f"all_reduce {getattr(mod, 'OP_ALL_REDUCE', None)}) than this "
                        f"package's ({layout}, {codes}, all_reduce {OP_ALL_REDUCE}): "
                        f"rebuild it")

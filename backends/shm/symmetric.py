@@ -19,9 +19,10 @@ rank's own, so the own buffer is the caller's: once nothing refers to it any mor
 array, view or tensor over it; no plan, see ``_symmetric_plan``, and no entry of the
 fast path's view cache: both are dropped at every ``alloc_symmetric``) its mapping
 goes, and the group forgets its mappings of the peers' copies before it next places an
-array (a large all_reduce, a persistent request) or allocates (or at close). The pages come back once every rank has let its copy go. So a process that builds
-model after model on one group (DDP makes a buffer per bucket) holds the buffers of the
-models alive, not of every model ever built. The entry stays in the table as an empty
+array (a large all_reduce, a persistent request) or allocates (or at close). The pages
+come back once every rank has let its copy go. So a process that builds model after
+model on one group (DDP makes a buffer per bucket) holds the buffers of the models
+alive, not of every model ever built. The entry stays in the table as an empty
 range, so every rank keeps voting in a large all_reduce (whether a rank votes depends on
 the table being non-empty, which must be the same on every rank); a rank whose buffer is
 gone just votes "not in a buffer" and the call takes the usual paths.
@@ -103,7 +104,6 @@ class SymmetricHeap:
         # Drop what holds arrays (so a buffer referred to by nothing else goes now),
         # then the entries of the buffers gone.
         self._symmetric_plans, self._symmetric_places = {}, {}
-        self._host_views.clear()   # (the fast path's views of small tensors: same)
         self._forget_freed_symmetric()
         index = self._symmetric_count
         self._symmetric_count += 1
