@@ -133,7 +133,8 @@ _NOT_A_SWITCH = {
     # how much the single-copy path's speed check copies (once per process); the line
     # the larger check may set applies only with COLLECTIVES_SHM_CMA unset (this suite
     # sets it to 1): test_shm_cma crosses it
-    "backends.shm.cma._PROBE_BYTES", "backends.shm.cma._LARGE_PROBE_BYTES",
+    "backends.shm.cma._PROBE_BYTES", "backends.shm.cma._MIDDLE_PROBE_BYTES",
+    "backends.shm.cma._LARGE_PROBE_BYTES",
 }
 
 

@@ -175,3 +175,24 @@ def test_the_speed_check_runs_on_the_real_kernel_copy():
     """A smoke test: this kernel's copy is measured (whatever it costs here)."""
     ratio = cma.cma_cost_ratio(native.native_module())
     assert 0.0 < ratio < float("inf")
+
+
+@pytest.mark.parametrize("ratios, line", [
+    ({1: 1.1}, cma.CMA_ALL_REDUCE_BYTES),             # pays at 1 MiB: from 1.5 MiB
+    ({1: 1.5, 4: 1.2}, cma._MIDDLE_PROBE_BYTES),      # from 4 MiB
+    ({1: 1.5, 4: 1.45, 8: 1.4}, cma._LARGE_PROBE_BYTES),
+    ({1: 3.0, 4: 2.0, 8: 1.8}, 0),                    # never
+])
+def test_the_speed_check_climbs_to_the_first_size_where_the_copy_pays(
+        monkeypatch, ratios, line):
+    timed = []
+
+    def ratio(mod, nbytes=cma._PROBE_BYTES, rounds=cma.PROBE_ROUNDS):
+        timed.append(nbytes >> 20)
+        return ratios[nbytes >> 20]
+
+    monkeypatch.setattr(cma, "cma_cost_ratio", ratio)
+    monkeypatch.setattr(cma, "_from_bytes", None)
+    assert cma.cma_from_bytes(None) == line
+    assert timed == sorted(ratios)                    # no rung past the one that paid
+    assert cma.cma_from_bytes(None) == line and len(timed) == len(ratios)   # once

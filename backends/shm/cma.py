@@ -10,9 +10,10 @@ one PID namespace) the all_reduce of ``a`` reads the peers' arrays where they li
 1. phase 1 (needed every call anyway: the addresses change, and a peer must have entered
    the call before its array may be read): every rank publishes the address of ``a`` and
    its *line*, the smallest message it reads in place (0: it cannot: the compiled core
-   not loaded, a peer's pid not visible, ``COLLECTIVES_SHM_CMA=0``; else at least
-   ``cma_min_bytes(n)``, more where the kernel's copy pays only for larger messages
-   here: :func:`cma_from_bytes`); all ranks read the same words, so they all decide
+   not loaded, a peer's pid not visible, ``COLLECTIVES_SHM_CMA=0``, a kernel's copy
+   too slow at every size; else the size from which :func:`cma_from_bytes` found the
+   kernel's copy paying for two ranks, times ``n // 2``, or ``cma_min_bytes(n)`` with
+   ``COLLECTIVES_SHM_CMA=1``); all ranks read the same words, so they all decide
    alike. A 0 turns the path off for the group, on every rank; else the group's line is
    the largest published, and a message below it takes the pipelined path (and later
    ones below it do not ask again: every rank raised its ``_cma_bytes`` alike). The
@@ -70,19 +71,31 @@ CMA_ENV = "COLLECTIVES_SHM_CMA"
 #: kernel (two reads of M/2): 1.5 + 2k < 4 where k is the kernel's cost per byte against
 #: memcpy's.
 CMA_MAX_COST = 1.25
+#: The bound for the middle measurement (4 MiB). Measured on a 2-vCPU VM: the kernel's
+#: copy cost 1.2-1.25 times memcpy at 4 MiB as each rank of a fresh job measures it
+#: (1.3 at 2 MiB), and the single copy took 4 MiB in 442 us against 527 staged (MPI's:
+#: 508), but lost at 2 MiB (290 against 268 us: this rung's line is 4 MiB). On the VM
+#: before it the copy cost 1.3 times memcpy at 4 MiB and the two paths tied there. The
+#: traffic alone puts the tie at 1.25 (see CMA_MAX_COST); staging's phases cost more.
+CMA_MAX_COST_MIDDLE = 1.4
 #: The same bound for the larger measurement (8 MiB), where staging costs more than its
 #: bytes say (a phase per chunk, chunks that leave the cache): on the 2-core VM where the
 #: kernel's copy measured 1.0-1.3 times memcpy at 8 MiB (two ranks measuring at once, as
 #: they do at start-up), the single copy took 16 MiB in 1.5-1.9 ms against 2.4-2.6 ms
 #: staged, 1.3-1.7 times faster where the traffic alone says 1.0-1.1.
 CMA_MAX_COST_LARGE = 1.5
-#: Bytes copied by each of the measurements of :func:`cma_from_bytes`; the second size
-#: only where the kernel's copy did not pay at the first.
+#: Bytes copied by each of the measurements of :func:`cma_from_bytes`; a larger size
+#: only where the kernel's copy did not pay at the one before.
 _PROBE_BYTES = 1 << 20
+_MIDDLE_PROBE_BYTES = 4 << 20
 _LARGE_PROBE_BYTES = 8 << 20
 
+#: Timings of each size in :func:`cma_from_bytes` (the least of so many of each copy).
+PROBE_ROUNDS = 5
 #: This process's line (:func:`cma_from_bytes`), once measured.
 _from_bytes: "int | None" = None
+#: What :func:`cma_from_bytes` measured: probe bytes -> the kernel's cost against memcpy.
+measured: dict[int, float] = {}
 #: Seconds a rank that found a peer's memory gone waits to see it die before it says so.
 _EXIT_GRACE = 2.0
 
@@ -114,28 +127,37 @@ def cma_from_bytes(mod) -> int:
     collective, so that peers waiting in a phase do not share the cores with it).
 
     The kernel's copy has a cost per page that memcpy of a small message, in cache, does
-    not; against memcpy of a large one, which goes to memory, it can catch up. So: where
-    it pays at 1 MiB (about a millisecond to measure), from :data:`CMA_ALL_REDUCE_BYTES`;
-    else where it pays at 8 MiB (:data:`CMA_MAX_COST_LARGE`; about 11 ms more), from 8
-    MiB; else never. Measured: on the 2-core VM of the README's first figures (Linux
-    6.18) the kernel's copy cost 3.5 to 5 times memcpy at 1 MiB and staging won at every
-    size and world size; on a later one 1.6-1.8 times at 1 MiB, 1.3 at 4 MiB and 1.0-1.1
-    at 8 and 16 MiB, where the single copy took 16 MiB in 1.87 ms against 2.5-2.6 ms
-    staged (4 MiB: a tie); on the machine the path was built on it won by 10-25% from 2
-    MiB."""
+    not; against memcpy of a large one, which goes to memory, it catches up. So the check
+    climbs a ladder (:data:`PROBE_ROUNDS` timings of each copy per rung: a few
+    milliseconds at 1 MiB, about 20 ms for all three) and stops at the first rung where
+    the copy pays: at 1 MiB (:data:`CMA_MAX_COST`) from :data:`CMA_ALL_REDUCE_BYTES`;
+    else at 4 MiB (:data:`CMA_MAX_COST_MIDDLE`) from 4 MiB; else at 8 MiB
+    (:data:`CMA_MAX_COST_LARGE`) from 8 MiB; else never. What it measured stays in
+    :data:`measured`. Measured: on
+    the 2-core VM of the README's first figures (Linux 6.18) the kernel's copy cost 3.5
+    to 5 times memcpy at 1 MiB and staging won at every size and world size; on a later
+    one 1.6-1.8 times at 1 MiB, 1.3 at 4 MiB and 1.0-1.1 at 8 and 16 MiB, where the
+    single copy took 16 MiB in 1.87 ms against 2.5-2.6 ms staged (4 MiB: a tie); on the
+    one after it 1.2 at 4 MiB, where it won there by 16%; on the machine the path was
+    built on it won by 10-25% from 2 MiB."""
     global _from_bytes
     if _from_bytes is None:
-        if cma_cost_ratio(mod) <= CMA_MAX_COST:
-            _from_bytes = CMA_ALL_REDUCE_BYTES
-        elif cma_cost_ratio(mod, _LARGE_PROBE_BYTES) <= CMA_MAX_COST_LARGE:
-            _from_bytes = _LARGE_PROBE_BYTES
-        else:
-            _from_bytes = 0
+        _from_bytes = 0
+        for probe, bound, line in ((_PROBE_BYTES, CMA_MAX_COST, CMA_ALL_REDUCE_BYTES),
+                                   (_MIDDLE_PROBE_BYTES, CMA_MAX_COST_MIDDLE,
+                                    _MIDDLE_PROBE_BYTES),
+                                   (_LARGE_PROBE_BYTES, CMA_MAX_COST_LARGE,
+                                    _LARGE_PROBE_BYTES)):
+            ratio = measured[probe] = cma_cost_ratio(mod, probe, PROBE_ROUNDS)
+            if ratio <= bound:
+                _from_bytes = line
+                break
     return _from_bytes
 
 
 def cma_min_bytes(size: int) -> int:
-    """The smallest all_reduce a group of ``size`` ranks reads in place.
+    """The smallest all_reduce a group of ``size`` ranks reads in place (where the
+    kernel's copy pays from 1 MiB, :func:`cma_from_bytes`, or it is told to).
 
     >>> cma_min_bytes(2) == cma_min_bytes(3) == CMA_ALL_REDUCE_BYTES == 1536 * 1024
     True
@@ -158,11 +180,12 @@ class CmaReduce:
         setting = os.environ.get(CMA_ENV, "").strip()
         if setting == "0":
             return 0
-        low = cma_min_bytes(self.size)
         if setting == "1":
-            return low
-        line = cma_from_bytes(self._native_module)
-        return max(low, line) if line else 0
+            return cma_min_bytes(self.size)
+        # The process's line is for two ranks; more ranks move it up as they do the
+        # lowest one (cma_min_bytes): at 4 ranks on 2 cores staging kept 4 MiB at
+        # 1.80-1.83 ms against 1.86-1.90 read in place where 2 ranks gained 16% there.
+        return cma_from_bytes(self._native_module) * max(1, self.size // 2)
 
     def _cma_all_reduce(self, a: np.ndarray, op: ReduceOp, seq: int) -> bool:
         """all_reduce of the flat ``a`` through the peers' memory; False (having agreed
