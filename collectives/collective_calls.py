@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from .buffers import host_dtype
+from .errors import CollectiveError
 from .reduce_op import ReduceOp, check_reducible
 from .work import Work
 
@@ -20,7 +21,15 @@ class CollectiveCalls:
     ``scatter``, ``reduce_scatter``, ``all_to_all``."""
 
     def barrier(self, *, async_op: bool = False) -> Optional[Work]:
-        """Return once every rank of the group called ``barrier``."""
+        """Return once every rank of the group called ``barrier``.
+
+        Both ranks: ``pg.barrier()`` returns on each once the other called it too.
+        """
+        if self._fast and not async_op and not self._pending:   # (collectives.fast_path)
+            if self._closed:
+                raise CollectiveError(f"{self._where('barrier')}: the group is closed")
+            self._run_numbered("barrier", self._barrier, (), None, None, -1, None)
+            return None
         return self._dispatch_collective("barrier", self._barrier, [], async_op)
 
     def broadcast(self, tensor: Tensor, src: int = 0, *, async_op: bool = False) -> Optional[Work]:

@@ -209,13 +209,15 @@ class CollectiveOps:
 
     # ----------------------------------------------------------------- barrier
     def _barrier(self, seq: int) -> None:
+        """One empty phase (what ``_guard`` does, inline: a barrier is all overhead)."""
         if self.size == 1:
             return
-        self._guard(self._barrier_impl, seq)
-
-    def _barrier_impl(self, seq: int) -> None:
-        self._start(OP_BARRIER, seq)
-        self._exchange(self._enter())
+        try:
+            self._start(OP_BARRIER, seq)
+            self._exchange(self._enter())
+        except BaseException as exc:
+            self._fail(exc)
+            raise
 
     # --------------------------------------------------------------- broadcast
     def _broadcast(self, a: np.ndarray, src: int, seq: int) -> None:
