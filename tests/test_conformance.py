@@ -130,11 +130,10 @@ _NOT_A_SWITCH = {
     # whether the fast path keeps a tensor's host view for the next call (the same
     # zero-copy view either way)
     "collectives.fast_path.CACHE_STORAGE_BYTES",
-    # how much the single-copy path's speed check copies (once per process); the line
-    # the larger check may set applies only with COLLECTIVES_SHM_CMA unset (this suite
-    # sets it to 1): test_shm_cma crosses it
-    "backends.shm.cma._PROBE_BYTES", "backends.shm.cma._MIDDLE_PROBE_BYTES",
-    "backends.shm.cma._LARGE_PROBE_BYTES",
+    # how much the single-copy path's speed check copies first (once per process); the
+    # lines its larger rungs (cma.SPEED_LADDER) may set apply only with
+    # COLLECTIVES_SHM_CMA unset (this suite sets it to 1): test_shm_cma crosses them
+    "backends.shm.cma._PROBE_BYTES",
 }
 
 

@@ -71,7 +71,8 @@ def _kill_params():
     return [_param(backend, op, n, slow=n != 3 and op != "all_reduce")
             for backend in SPAWNED_BACKENDS for n in (3, 2, 4) for op in tasks.COLLECTIVES] + [
         _param("shm", "all_reduce_symmetric", n, slow=n == 4) for n in (2, 3, 4)] + [
-        _param("shm", "all_reduce_small", n, slow=n == 4) for n in (2, 3, 4)]
+        _param("shm", "all_reduce_small", n, slow=n == 4) for n in (2, 3, 4)] + [
+        _param("shm", "all_reduce_single_copy", n, slow=n == 4) for n in (2, 3, 4)]
 
 
 def _report(**fields) -> None:
@@ -162,7 +163,8 @@ def _hang_params():
     for backend in (*SPAWNED_BACKENDS, "mpi"):
         for op in ("all_reduce", "all_gather", "barrier"):
             params.append(_param(backend, op, 3, slow=backend == "mpi" and op != "all_reduce"))
-    return params + [_param("shm", op, 3) for op in ("all_reduce_symmetric", "all_reduce_small")]
+    return params + [_param("shm", op, 3) for op in ("all_reduce_symmetric", "all_reduce_small",
+                                                     "all_reduce_single_copy")]
 
 
 def _hang_slack(backend: str) -> float:

@@ -23,6 +23,9 @@ from backends.shm.cma import CMA_ENV
 
 from test_shm_native import FLOATS, INTS, _dtype, _ops, _same, _values
 
+#: The largest line the speed check may set (its last rung's).
+_BIG_LINE = cma.SPEED_LADDER[-1][2]
+
 needs_core = pytest.mark.skipif(native.native_module() is None,
                                 reason="backends.shm._native is not built")
 
@@ -82,7 +85,7 @@ def _agree_job() -> dict:
     # One rank finds it pays only from 8 MiB: the group agrees on that line at its first
     # large call (which stages, as does every later one below the line, without asking
     # again); a message at the line reads in place; the results are those of staging.
-    cma._from_bytes = cma._LARGE_PROBE_BYTES if me == n - 1 else cma.CMA_ALL_REDUCE_BYTES
+    cma._from_bytes = _BIG_LINE if me == n - 1 else cma.CMA_ALL_REDUCE_BYTES
     late = pg.new_group(list(range(n)))
     line_results = []
     asked = []
@@ -90,7 +93,7 @@ def _agree_job() -> dict:
     type(late)._cma_line = lambda self: asked.append(1) or real_vote(self)
     try:
         for count in (pg._cma_bytes // 4 + 7, pg._cma_bytes // 4 + 9,
-                      cma._LARGE_PROBE_BYTES // 4 - 1, cma._LARGE_PROBE_BYTES // 4):
+                      _BIG_LINE // 4 - 1, _BIG_LINE // 4):
             x = np.random.default_rng([me, count]).standard_normal(count).astype(np.float32)
             y, z = x.copy(), x.copy()
             late.all_reduce(y)
@@ -101,25 +104,27 @@ def _agree_job() -> dict:
     cma._from_bytes = None
     os.environ[CMA_ENV] = "1"
 
-    # One rank cannot read its peers (the kernel says EPERM): the probe turns it off.
-    probe = pg.new_group(list(range(n)))
-    if me == 0:
-        real = probe._native_module
-
-        class Forbidden:
-            cma_reduce = real.cma_reduce
-
-            @staticmethod
-            def cma_read(out, pid, addr):
-                return -1   # -EPERM
-        probe._native_module = Forbidden
-    b = np.full(pg._cma_bytes // 4, me + 1.0, np.float32)
-    probe.all_reduce(b)
-    probed = (probe._cma, bool(np.all(b == n * (n + 1) / 2)))
+    # One rank cannot read its peers, or can read but not write (the kernel says EPERM):
+    # the probe turns the path off.
+    probed = []
+    probes = []
+    for forbidden in ("cma_read", "cma_write"):
+        probe = pg.new_group(list(range(n)))
+        probes.append(probe)
+        if me == 0:
+            real = probe._native_module
+            stub = type("Forbidden", (), {
+                name: staticmethod(getattr(real, name))
+                for name in ("cma_reduce", "cma_read", "cma_write")})
+            setattr(stub, forbidden, staticmethod(lambda *args: -1))   # -EPERM
+            probe._native_module = stub
+        b = np.full(pg._cma_bytes // 4, me + 1.0, np.float32)
+        probe.all_reduce(b)
+        probed.append((probe._cma, bool(np.all(b == n * (n + 1) / 2))))
 
     out = {"bad": bad, "digest": digest, "cma": (pg._cma, staged._cma), "voted": voted,
            "probed": probed, "measured": measured, "line": line_results}
-    for g in (probe, vote, staged, slow, late):
+    for g in (*probes, vote, staged, slow, late):
         g.close()
     pg.close()
     return out
@@ -134,12 +139,12 @@ def test_single_copy_all_reduce_is_bitwise_the_staged_one_and_agreed(nproc):
         assert not res["bad"], f"rank {r}: {res['bad']}"
         assert res["cma"][1] is False, (r, res["cma"])          # the staged group
         assert res["voted"] == (False, True), (r, res["voted"])
-        assert res["probed"] == (False, True), (r, res["probed"])
+        assert res["probed"] == [(False, True)] * 2, (r, res["probed"])
         assert res["measured"] == (False, True), (r, res["measured"])
         # Asked once (the first call), the line agreed; below it staged without asking;
         # at it asked again and read in place (False where the kernel forbids the read:
         # the probe's, checked below).
-        big = cma._LARGE_PROBE_BYTES
+        big = _BIG_LINE
         assert res["line"][:3] == [(None, big, 1, True)] * 3, (r, res["line"])
         assert res["line"][3] == (res["cma"][0], big, 2, True), (r, res["line"])
     assert len({res["digest"] for res in results}) == 1
@@ -179,9 +184,10 @@ def test_the_speed_check_runs_on_the_real_kernel_copy():
 
 @pytest.mark.parametrize("ratios, line", [
     ({1: 1.1}, cma.CMA_ALL_REDUCE_BYTES),             # pays at 1 MiB: from 1.5 MiB
-    ({1: 1.5, 4: 1.2}, cma._MIDDLE_PROBE_BYTES),      # from 4 MiB
-    ({1: 1.5, 4: 1.45, 8: 1.4}, cma._LARGE_PROBE_BYTES),
-    ({1: 3.0, 4: 2.0, 8: 1.8}, 0),                    # never
+    ({1: 1.5, 2: 1.3}, 2 << 20),                      # from 2 MiB
+    ({1: 1.5, 2: 1.45, 4: 1.45}, 4 << 20),
+    ({1: 1.5, 2: 1.6, 4: 1.55, 8: 1.45}, 8 << 20),
+    ({1: 3.0, 2: 2.5, 4: 2.0, 8: 1.8}, 0),            # never
 ])
 def test_the_speed_check_climbs_to_the_first_size_where_the_copy_pays(
         monkeypatch, ratios, line):

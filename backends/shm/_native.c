@@ -22,7 +22,8 @@
  *  - the pipelined large all_reduce/reduce and the all_reduce in symmetric memory,
  *    each one call through its phases that returns to Python only where a wait
  *    outlasts its budget (and is called again to go on);
- *  - the single-copy reads of a peer's memory (process_vm_readv).
+ *  - the single-copy all_reduce's reads of a peer's memory and writes into it
+ *    (process_vm_readv / process_vm_writev).
  *
  * Control block of rank r (segment.py): uint64 words at ctrl + r * 128: 0 arrived,
  * 1..4 fingerprints (parity 0 at 1, 2; parity 1 at 3, 4), 6 state, 9 sleepers; the
@@ -926,6 +927,11 @@ static void copy_out_chunk(Group *g, char *a, int bank, Py_ssize_t total, Py_ssi
     }
 }
 
+/* Bumped whenever a call of this module changes its arguments or meaning, so that
+ * native.py refuses a stale build (LAYOUT) instead of failing inside a collective. 2:
+ * cma_reduce pushes the reduced piece into the peers (its 7th argument), cma_write. */
+#define CORE_REVISION 2
+
 /* The pipelined reduce's largest piece (reduce.py's PIECE_MAX_BYTES, checked at load):
  * a phase's copies and reduction then stay within a core's L2 (see reduce.py). */
 #define PIECE_MAX_BYTES (64 * 1024)
@@ -1351,53 +1357,71 @@ static PyObject *m_combine(PyObject *mod, PyObject *const *args, Py_ssize_t narg
  * the kernel lacks it, ESRCH/EFAULT for a peer gone or an address not its). */
 #define CMA_BLOCK (256 << 10)
 
-static int cma_copy(pid_t pid, char *dst, uint64_t addr, size_t len) {
+/* len bytes between `local` here and `addr` in process pid: read into local (!write) or
+ * written from it (write). */
+static int cma_transfer(pid_t pid, char *local_buf, uint64_t addr, size_t len, int write) {
 #ifdef __linux__
     while (len > 0) {
-        struct iovec local = {dst, len}, remote = {(void *)(uintptr_t)addr, len};
-        ssize_t got = process_vm_readv(pid, &local, 1, &remote, 1, 0);
+        struct iovec local = {local_buf, len}, remote = {(void *)(uintptr_t)addr, len};
+        ssize_t got = write ? process_vm_writev(pid, &local, 1, &remote, 1, 0)
+                            : process_vm_readv(pid, &local, 1, &remote, 1, 0);
         if (got < 0) {
             if (errno == EINTR) continue;
             return -errno;
         }
         if (got == 0) return -EFAULT;
-        dst += got;
+        local_buf += got;
         addr += (uint64_t)got;
         len -= (size_t)got;
     }
     return 0;
 #else
-    (void)pid; (void)dst; (void)addr; (void)len;
+    (void)pid; (void)local_buf; (void)addr; (void)len; (void)write;
     return -ENOSYS;
 #endif
 }
 
-/* cma_read(out, pid, addr) -> 0 or -errno: len(out) bytes at addr in process pid. */
-static PyObject *m_cma_read(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+
+/* cma_read(out, pid, addr) / cma_write(src, pid, addr) -> 0 or -errno: len(buffer)
+ * bytes at addr in process pid, into out or from src. */
+static PyObject *cma_one(PyObject *const *args, Py_ssize_t nargs, int write, const char *name) {
     int pid;
     uint64_t addr;
-    Py_buffer out;
-    NARGS("cma_read", 3);
+    Py_buffer buf;
+    if (nargs != 3)
+        return PyErr_Format(PyExc_TypeError, "shm native %s: 3 arguments expected", name);
     if (arg_int(args[1], &pid) < 0 || arg_u64(args[2], &addr) < 0) return NULL;
-    if (get_array(args[0], &out, 1, "cma_read") < 0) return NULL;
+    if (get_array(args[0], &buf, !write, name) < 0) return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = cma_copy((pid_t)pid, out.buf, addr, (size_t)out.len);
+    rc = cma_transfer((pid_t)pid, buf.buf, addr, (size_t)buf.len, write);
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&out);
+    PyBuffer_Release(&buf);
     return PyLong_FromLong(rc);
 }
 
-/* cma_reduce(out, pids, addrs, me, dtype, op) -> 0 or -errno. out is this rank's piece
- * of its own array, and source `me` of the reduction; the same piece of rank r's array
- * (r != me) is at addrs[r] in process pids[r]. Block by block (a quarter MiB, so the
+static PyObject *m_cma_read(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    return cma_one(args, nargs, 0, "cma_read");
+}
+
+static PyObject *m_cma_write(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    return cma_one(args, nargs, 1, "cma_write");
+}
+
+/* cma_reduce(out, pids, addrs, me, dtype, op, push) -> 0 or -errno. out is this rank's
+ * piece of its own array, and source `me` of the reduction; the same piece of rank r's
+ * array (r != me) is at addrs[r] in process pids[r]. Block by block (a quarter MiB, so the
  * copies stay in cache): read every peer's block, then out = s_0 (op) s_1 ... in rank
- * order, AVG divided by n once: bitwise what combine computes. GIL released. */
+ * order, AVG divided by n once: bitwise what combine computes; with `push`, the reduced
+ * block is then written into every peer's piece too, from the cache (the block it read
+ * there a moment before: no other rank touches that piece of a peer's array during the
+ * call). GIL released. */
 static PyObject *m_cma_reduce(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    int me, code, op;
+    int me, code, op, push;
     Py_buffer out;
-    NARGS("cma_reduce", 6);
-    if (arg_int(args[3], &me) < 0 || arg_int(args[4], &code) < 0 || arg_int(args[5], &op) < 0)
+    NARGS("cma_reduce", 7);
+    if (arg_int(args[3], &me) < 0 || arg_int(args[4], &code) < 0 || arg_int(args[5], &op) < 0
+        || (push = PyObject_IsTrue(args[6])) < 0)
         return NULL;
     if (check_kernel(code, op) < 0) return NULL;
     PyObject *pids = PySequence_Fast(args[1], "shm native cma_reduce: a sequence of pids");
@@ -1434,12 +1458,16 @@ static PyObject *m_cma_reduce(PyObject *mod, PyObject *const *args, Py_ssize_t n
             if (r == me) {
                 srcs[r] = (char *)out.buf + off;
             } else {
-                rc = cma_copy((pid_t)pid[r], tmp[r], addr[r] + (uint64_t)off, (size_t)k);
+                rc = cma_transfer((pid_t)pid[r], tmp[r], addr[r] + (uint64_t)off, (size_t)k, 0);
                 srcs[r] = tmp[r];
             }
         }
         if (rc == 0)
             KERNELS[code].fn((char *)out.buf + off, srcs, (int)n, k / itemsize, op, (int)n);
+        for (Py_ssize_t r = 0; push && r < n && rc == 0; r++)
+            if (r != me)
+                rc = cma_transfer((pid_t)pid[r], (char *)out.buf + off, addr[r] + (uint64_t)off,
+                                  (size_t)k, 1);
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&out);
@@ -1465,9 +1493,12 @@ static PyMethodDef module_methods[] = {
      "written into each copy; GIL released."},
     {"cma_read", (PyCFunction)(void (*)(void))m_cma_read, METH_FASTCALL,
      "cma_read(out, pid, addr) -> 0 or -errno: a peer's bytes, one kernel copy."},
+    {"cma_write", (PyCFunction)(void (*)(void))m_cma_write, METH_FASTCALL,
+     "cma_write(src, pid, addr) -> 0 or -errno: bytes into a peer, one kernel copy."},
     {"cma_reduce", (PyCFunction)(void (*)(void))m_cma_reduce, METH_FASTCALL,
-     "cma_reduce(out, pids, addrs, me, dtype, op) -> 0 or -errno: out = the rank-order "
-     "reduction of the peers' pieces (read in place) and out."},
+     "cma_reduce(out, pids, addrs, me, dtype, op, push) -> 0 or -errno: out = the "
+     "rank-order reduction of the peers' pieces (read in place) and out; push: also into "
+     "the peers' pieces."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1489,9 +1520,9 @@ PyMODINIT_FUNC PyInit__native(void) {
     }
     /* What this file assumes of segment.py, ops.py and reduce.py; native.py checks it at
      * import. */
-    PyModule_AddObject(m, "LAYOUT", Py_BuildValue("(iiiiiii)", CTRL_STRIDE, W_ARRIVED, W_FP,
+    PyModule_AddObject(m, "LAYOUT", Py_BuildValue("(iiiiiiii)", CTRL_STRIDE, W_ARRIVED, W_FP,
                                                   W_STATE, W_SLEEPERS, BELL_BYTE,
-                                                  PIECE_MAX_BYTES));
+                                                  PIECE_MAX_BYTES, CORE_REVISION));
     PyModule_AddObject(m, "DTYPE_CODES", Py_BuildValue(
         "{sisisisisisisisisisi}", "float16", T_F16, "bfloat16", T_BF16, "float32", T_F32,
         "float64", T_F64, "int8", T_I8, "uint8", T_U8, "int16", T_I16, "int32", T_I32,

@@ -1,40 +1,45 @@
 """The large all_reduce of the shm backend in one copy: cross-memory attach (CMA).
 
 The pipelined path (``reduce.py``) stages every byte through the shared segment: a copy
-in, the reduction, a copy out, about 4.5 times the message in memory traffic per rank
-(two ranks). Linux lets a process read another's memory directly
-(``process_vm_readv``, the kernel copying from the peer's pages into ours, as MPICH's
-and Open MPI's CMA transports do), so where the ranks may (same user, ptrace rules,
-one PID namespace) the all_reduce of ``a`` reads the peers' arrays where they lie:
+in, the reduction, a copy out, about 4 times the message in memory traffic per rank (two
+ranks). Linux lets a process read and write another's memory directly
+(``process_vm_readv`` / ``process_vm_writev``: the kernel copies between the peer's pages
+and ours, as MPICH's and Open MPI's CMA transports do), so where the ranks may (same
+user, ptrace rules, one PID namespace) the all_reduce of ``a`` works on the peers'
+arrays where they lie:
 
 1. phase 1 (needed every call anyway: the addresses change, and a peer must have entered
-   the call before its array may be read): every rank publishes the address of ``a`` and
-   its *line*, the smallest message it reads in place (0: it cannot: the compiled core
-   not loaded, a peer's pid not visible, ``COLLECTIVES_SHM_CMA=0``, a kernel's copy
+   the call before its array may be touched): every rank publishes the address of ``a``
+   and its *line*, the smallest message it reads in place (0: it cannot: the compiled
+   core not loaded, a peer's pid not visible, ``COLLECTIVES_SHM_CMA=0``, a kernel's copy
    too slow at every size; else the size from which :func:`cma_from_bytes` found the
    kernel's copy paying for two ranks, times ``n // 2``, or ``cma_min_bytes(n)`` with
-   ``COLLECTIVES_SHM_CMA=1``); all ranks read the same words, so they all decide
-   alike. A 0 turns the path off for the group, on every rank; else the group's line is
-   the largest published, and a message below it takes the pipelined path (and later
-   ones below it do not ask again: every rank raised its ``_cma_bytes`` alike). The
-   first time all can, each also reads a word of every peer's array and publishes
-   whether that worked (phase 2): a kernel that forbids it turns the path off for the
-   group, on every rank, and that call and every later one take the pipelined path.
-2. reduce-scatter: rank k owns piece k of ``a`` (n aligned pieces); it reads piece k of
-   every peer's array block by block (a quarter MiB, so the copies stay in cache) and
-   reduces them with its own in rank order, in place (``_native.cma_reduce``, GIL
-   released). Nobody writes a piece another rank reads: rank r writes only piece r.
-3. phase: every owner is done. all-gather: rank k reads each peer's reduced piece
-   straight into ``a`` (``_native.cma_read``).
-4. phase: every rank finished reading, so each may return and reuse its array.
+   ``COLLECTIVES_SHM_CMA=1``); all ranks read the same words, so they all decide alike.
+   A 0 turns the path off for the group, on every rank; else the group's line is the
+   largest published, and a message below it takes the pipelined path (and later ones
+   below it do not ask again: every rank raised its ``_cma_bytes`` alike). The first
+   time all can, each also reads a byte of every peer's array and writes it back, and
+   publishes whether that worked (phase 2): a kernel that forbids it turns the path off
+   for the group, on every rank, and that call and every later one take the pipelined
+   path.
+2. reduce and push: rank k owns piece k of ``a`` (n aligned pieces). Block by block (a
+   quarter MiB, so it stays in cache) it reads piece k of every peer's array, reduces
+   them with its own in rank order into its own array, and writes the reduced block into
+   piece k of every peer's array (``_native.cma_reduce``, GIL released). Piece k of any
+   array is touched by rank k alone during the call (its owner reads a block there
+   before it writes that block), so nothing races.
+3. phase: every owner is done, so every array holds the whole result; each rank may
+   return and reuse its array.
 
 Each element is reduced once, by its owner, in rank order, by the same kernels as the
 other paths: the ranks get bitwise-identical results, bitwise those of the pipelined
-path. Traffic per rank: the peers' pieces read once, the reduction, the gather read once,
-about 3 times the message. Messages of ``cma_min_bytes(n)`` and more take this path (1.5
-MiB at 2 ranks; more with more ranks, whose pieces are smaller and whose reads are more)
-where every rank votes for it at that size; ``reduce`` (one root) and the other
-collectives keep theirs.
+path. Traffic per rank: the peers' pieces read once, the reduction, the reduced piece
+written to each peer from the cache, about 3 times the message, and two phases. Reading
+the reduced pieces back after a third phase instead (as this path did at first) took
+20-25% longer from 2 MiB: those reads came from memory. Messages of
+``cma_min_bytes(n)`` and more take this path (1.5 MiB at 2 ranks; more with more ranks,
+whose pieces are smaller and whose reads are more) where every rank votes for it at that
+size; ``reduce`` (one root) and the other collectives keep theirs.
 """
 
 from __future__ import annotations
@@ -52,43 +57,51 @@ from collectives.reduce_op import ReduceOp
 from .ops import _DTYPE_CODE, _REDOP_BY_ID, OP_ALL_REDUCE, piece_bounds
 
 #: all_reduce messages of at least this many bytes, times ``size // 2``, read the peers'
-#: memory directly where the group votes for it (cma_from_bytes). Measured on 2 cores of
-#: the machine it was built on (where it pays), the paths timed in turn in one job: at 2 ranks
-#: staging is 13% faster at 1 MiB (twice: 336 vs 384 us, 320 vs 366 us), even at 1.5
-#: MiB, 10-25% slower from 2 MiB. At 4 ranks (oversubscribed) staging was faster at 3
-#: MiB (2.60 vs 3.52 ms) and 4 MiB (3.40 vs 3.66 ms) and the two within 6% of each other
-#: from 6 to 16 MiB: the 3 MiB line there (this one times size // 2) is not tuned for
-#: 4 ranks on 2 cores, only moved with the 2-rank one.
+#: memory directly where the group votes for it (cma_from_bytes). Measured on 2 cores,
+#: the paths timed in turn: on the machine the path was built on (reading the reduced
+#: pieces back, before they were pushed) staging was 13% faster at 1 MiB (336 vs 384 us,
+#: 320 vs 366 us), even at 1.5 MiB, 10-25% slower from 2 MiB; on a later VM, pushing,
+#: the two tied at 1 MiB (131-133 vs 125-142 us) and the single copy won from 1.5 MiB. At
+#: 4 ranks (oversubscribed) on that VM, staging kept 1 and 2 MiB (483-494 vs 502-517 us,
+#: 957-999 vs 991-996) and the single copy won from 4 MiB (1.49-1.51 vs 1.76-1.78 ms; 8
+#: MiB 2.63-2.69 vs 3.49-3.55): the line times ``size // 2``.
 CMA_ALL_REDUCE_BYTES = 3 << 19
 #: ``0``: this rank votes against the single-copy path (and so turns it off for its
 #: groups); ``1``: for it from ``cma_min_bytes(n)``, whatever the kernel's speed; unset:
 #: for it where the kernel copies fast enough (:func:`cma_from_bytes`).
 CMA_ENV = "COLLECTIVES_SHM_CMA"
 #: The kernel's copy between processes may cost at most this many times a user-space copy
-#: of the same bytes for the single copy to pay. Per rank and message M (2 ranks), staging
-#: moves about 4 M in user space (copy in M/2, reduce: read M, write M, copy out M/2); the
-#: single copy about 1.5 M in user space (reduce M/2 + M/2 into M/2) and 2 M through the
-#: kernel (two reads of M/2): 1.5 + 2k < 4 where k is the kernel's cost per byte against
-#: memcpy's.
+#: of the same bytes, timed at 1 MiB, for the single copy to pay from
+#: :data:`CMA_ALL_REDUCE_BYTES`. Per rank and message M (2 ranks), staging moves about 4 M
+#: in user space (copy in M/2, reduce: read M, write M, copy out M/2); the single copy
+#: about 1.5 M in user space (reduce M/2 + M/2 into M/2) and 2 M through the kernel (a
+#: read of M/2, a write of M/2): 1.5 + 2k < 4 where k is the kernel's cost per byte
+#: against memcpy's.
 CMA_MAX_COST = 1.25
-#: The bound for the middle measurement (4 MiB). Measured on a 2-vCPU VM: the kernel's
-#: copy cost 1.2-1.25 times memcpy at 4 MiB as each rank of a fresh job measures it
-#: (1.3 at 2 MiB), and the single copy took 4 MiB in 442 us against 527 staged (MPI's:
-#: 508), but lost at 2 MiB (290 against 268 us: this rung's line is 4 MiB). On the VM
-#: before it the copy cost 1.3 times memcpy at 4 MiB and the two paths tied there. The
-#: traffic alone puts the tie at 1.25 (see CMA_MAX_COST); staging's phases cost more.
-CMA_MAX_COST_MIDDLE = 1.4
-#: The same bound for the larger measurement (8 MiB), where staging costs more than its
-#: bytes say (a phase per chunk, chunks that leave the cache): on the 2-core VM where the
-#: kernel's copy measured 1.0-1.3 times memcpy at 8 MiB (two ranks measuring at once, as
-#: they do at start-up), the single copy took 16 MiB in 1.5-1.9 ms against 2.4-2.6 ms
-#: staged, 1.3-1.7 times faster where the traffic alone says 1.0-1.1.
-CMA_MAX_COST_LARGE = 1.5
-#: Bytes copied by each of the measurements of :func:`cma_from_bytes`; a larger size
-#: only where the kernel's copy did not pay at the one before.
-_PROBE_BYTES = 1 << 20
-_MIDDLE_PROBE_BYTES = 4 << 20
-_LARGE_PROBE_BYTES = 8 << 20
+#: The rungs :func:`cma_from_bytes` climbs: (bytes timed, the most the kernel's copy may
+#: cost against memcpy there, the smallest all_reduce it then votes to read in place).
+#: The kernel's copy has a cost per page that memcpy of a message in cache does not;
+#: against memcpy of a larger one, which goes to memory, it catches up, and staging
+#: costs more than its bytes say there (a phase per chunk, chunks that leave the cache).
+#: Measured on 2-vCPU VMs (two ranks, float32 sum, the paths in turn in one session):
+#:
+#: - the kernel's copy 1.5-1.8 times memcpy at 1 MiB, 1.2-1.37 at 2 MiB, 1.2-1.3 at 4
+#:   MiB (each rank of a fresh job timing it): the single copy took 1.5 MiB in 189 us
+#:   against 198-223 staged, 2 MiB in 230-251 against 269-299, 4 MiB in 375-385 against
+#:   527-602 (MPI's 508-627), 16 MiB in 1.19 ms against 2.1-2.3;
+#: - on the VM before it, 1.6-1.8 times at 1 MiB, 1.3 at 4 MiB and 1.0-1.1 at 8 MiB: the
+#:   single copy then (reading the reduced pieces back rather than pushing them, 20-25%
+#:   slower than now) tied staging at 4 MiB and won by 1.3-1.7 times at 16 MiB;
+#: - on the VM of the README's first figures, 3.5-5 times at 1 MiB: staging won at every
+#:   size.
+SPEED_LADDER = (
+    (1 << 20, CMA_MAX_COST, CMA_ALL_REDUCE_BYTES),
+    (2 << 20, 1.4, 2 << 20),
+    (4 << 20, 1.5, 4 << 20),
+    (8 << 20, 1.5, 8 << 20),
+)
+#: The bytes of the first rung (the default of :func:`cma_cost_ratio`).
+_PROBE_BYTES = SPEED_LADDER[0][0]
 
 #: Timings of each size in :func:`cma_from_bytes` (the least of so many of each copy).
 PROBE_ROUNDS = 5
@@ -122,32 +135,19 @@ def cma_cost_ratio(mod, nbytes: int = _PROBE_BYTES, rounds: int = 3) -> float:
 
 
 def cma_from_bytes(mod) -> int:
-    """The smallest all_reduce this process votes to read in place on speed (0: none),
-    measured once per process when its first group on the core is made (outside any
-    collective, so that peers waiting in a phase do not share the cores with it).
+    """The smallest all_reduce this process votes to read in place on speed, for two
+    ranks (0: none), measured once per process when its first group on the core is made
+    (outside any collective, so that peers waiting in a phase do not share the cores
+    with it).
 
-    The kernel's copy has a cost per page that memcpy of a small message, in cache, does
-    not; against memcpy of a large one, which goes to memory, it catches up. So the check
-    climbs a ladder (:data:`PROBE_ROUNDS` timings of each copy per rung: a few
-    milliseconds at 1 MiB, about 20 ms for all three) and stops at the first rung where
-    the copy pays: at 1 MiB (:data:`CMA_MAX_COST`) from :data:`CMA_ALL_REDUCE_BYTES`;
-    else at 4 MiB (:data:`CMA_MAX_COST_MIDDLE`) from 4 MiB; else at 8 MiB
-    (:data:`CMA_MAX_COST_LARGE`) from 8 MiB; else never. What it measured stays in
-    :data:`measured`. Measured: on
-    the 2-core VM of the README's first figures (Linux 6.18) the kernel's copy cost 3.5
-    to 5 times memcpy at 1 MiB and staging won at every size and world size; on a later
-    one 1.6-1.8 times at 1 MiB, 1.3 at 4 MiB and 1.0-1.1 at 8 and 16 MiB, where the
-    single copy took 16 MiB in 1.87 ms against 2.5-2.6 ms staged (4 MiB: a tie); on the
-    one after it 1.2 at 4 MiB, where it won there by 16%; on the machine the path was
-    built on it won by 10-25% from 2 MiB."""
+    It climbs :data:`SPEED_LADDER` and stops at the first rung where the kernel's copy
+    costs at most the rung's bound against memcpy (:data:`PROBE_ROUNDS` timings of each
+    copy per rung: a few milliseconds at 1 MiB, about 25 ms for all four); what it
+    measured stays in :data:`measured`."""
     global _from_bytes
     if _from_bytes is None:
         _from_bytes = 0
-        for probe, bound, line in ((_PROBE_BYTES, CMA_MAX_COST, CMA_ALL_REDUCE_BYTES),
-                                   (_MIDDLE_PROBE_BYTES, CMA_MAX_COST_MIDDLE,
-                                    _MIDDLE_PROBE_BYTES),
-                                   (_LARGE_PROBE_BYTES, CMA_MAX_COST_LARGE,
-                                    _LARGE_PROBE_BYTES)):
+        for probe, bound, line in SPEED_LADDER:
             ratio = measured[probe] = cma_cost_ratio(mod, probe, PROBE_ROUNDS)
             if ratio <= bound:
                 _from_bytes = line
@@ -218,22 +218,18 @@ class CmaReduce:
         k0, k1 = bounds[me]
         if k1 > k0:
             rc = mod.cma_reduce(a[k0:k1], pids, [x + k0 * itemsize for x in addrs], me,
-                                _DTYPE_CODE.get(a.dtype, 0), _REDOP_BY_ID[id(op)])
-            self._cma_check(rc, "reading the peers' pieces")
-        self._exchange(self._enter())
-        for r in self._peers:
-            r0, r1 = bounds[r]
-            if r1 > r0:
-                self._cma_check(mod.cma_read(a[r0:r1], pids[r], addrs[r] + r0 * itemsize),
-                                f"reading rank {r}'s reduced piece")
+                                _DTYPE_CODE.get(a.dtype, 0), _REDOP_BY_ID[id(op)], True)
+            self._cma_check(rc, "reading the peers' pieces or writing them the result")
         self._exchange(self._enter())
         return True
 
     def _cma_probe(self, mod, addrs: list) -> bool:
-        """Phase 2 of a group's first single-copy all_reduce: can every rank read a word
-        of every peer's array? Decided alike on every rank."""
+        """Phase 2 of a group's first single-copy all_reduce: can every rank read a byte
+        of every peer's array and write it back (unchanged: nobody changes an array
+        between the phases)? Decided alike on every rank."""
         probe = np.zeros(1, np.uint8)
-        ok = all(mod.cma_read(probe, self._pids[r], addrs[r]) == 0 for r in self._peers)
+        ok = all(mod.cma_read(probe, self._pids[r], addrs[r]) == 0
+                 and mod.cma_write(probe, self._pids[r], addrs[r]) == 0 for r in self._peers)
         q = self._enter()
         self._sv(q & 1, self.rank, np.uint64)[0] = int(ok)
         self._exchange(q)

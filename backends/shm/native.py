@@ -41,6 +41,10 @@ YIELD_ENV = "COLLECTIVES_SHM_YIELD_US"
 DEDICATED_WAIT_US = (50, 1000)
 OVERSUBSCRIBED_WAIT_US = (1, 50)
 
+#: The revision of the core's calls this package makes (``CORE_REVISION`` in _native.c,
+#: the last entry of its ``LAYOUT``): a build of another revision is refused at load.
+CORE_REVISION = 2
+
 _module: Optional[ModuleType] = None
 _load_error: Optional[str] = None
 _loaded = False
@@ -63,7 +67,7 @@ def _load() -> Optional[ModuleType]:
     from .ops import _DTYPE_CODE, _REDOP_CODE, OP_ALL_REDUCE, dtype_name
     from .reduce import PIECE_MAX_BYTES
     layout = (sg.CTRL_STRIDE, sg.W_ARRIVED, sg.W_FP, sg.W_STATE, sg.W_SLEEPERS, sg.BELL_BYTE,
-              PIECE_MAX_BYTES)
+              PIECE_MAX_BYTES, CORE_REVISION)
     codes = {dtype_name(c): c for c in _DTYPE_CODE.values()}
     redops = {op.name: c for op, c in _REDOP_CODE.items()}
     if tuple(mod.LAYOUT) != layout or dict(mod.DTYPE_CODES) != codes or \

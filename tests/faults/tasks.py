@@ -65,13 +65,16 @@ def listening_ports(group: ProcessGroup) -> list[int]:
 
 
 #: Ops of these tasks that are a collective under another name: the name errors use.
-OP_NAMES = {"all_reduce_symmetric": "all_reduce", "all_reduce_small": "all_reduce"}
+OP_NAMES = {"all_reduce_symmetric": "all_reduce", "all_reduce_small": "all_reduce",
+            "all_reduce_single_copy": "all_reduce"}
 
 
 def _call(group: ProcessGroup, op: str) -> Callable[[], None]:
     """A closure running collective ``op`` on buffers made once (root 0);
     ``all_reduce_symmetric`` is an all_reduce of a buffer from ``alloc_symmetric``
-    (shm reads the peers' buffers in place), ``all_reduce_small`` one of 64 bytes."""
+    (shm reads the peers' buffers in place), ``all_reduce_small`` one of 64 bytes,
+    ``all_reduce_single_copy`` the plain one with ``COLLECTIVES_SHM_CMA=1`` (shm reads
+    and writes the peers' arrays through the kernel whatever its speed, where it can)."""
     n = group.size
     a = np.ones(ELEMENTS, np.float32)
     if op == "all_reduce_symmetric":  # (a collective: every rank makes the same closure)
@@ -81,6 +84,9 @@ def _call(group: ProcessGroup, op: str) -> Callable[[], None]:
     if op == "all_reduce_small":      # one phase (shm: one call of the compiled core)
         small = np.ones(16, np.float32)
         return lambda: group.all_reduce(small)
+    if op == "all_reduce_single_copy":
+        os.environ["COLLECTIVES_SHM_CMA"] = "1"   # (read at the group's first large call)
+        return lambda: group.all_reduce(a)
     big = np.ones(ELEMENTS * n, np.float32)
     root = group.rank == 0
     calls: dict[str, Callable[[], Any]] = {
