@@ -1,11 +1,13 @@
 """The single-copy all_reduce of the shm backend (backends/shm/cma.py): the ranks read
-each other's arrays with process_vm_readv. It must give bitwise what the staged,
-pipelined path gives (every dtype and operator, uneven pieces, 2 and 3 ranks), and the
-ranks must always agree on the path: a rank that votes against it (``COLLECTIVES_SHM_CMA=0``,
-or a kernel whose copy between processes it measured as too slow) or that cannot read
-its peers turns it off for the whole group, which still computes the right result; a
-rank that measured it paying only for larger messages sets the group's line, agreed by
-every rank at the first large call.
+each other's arrays with process_vm_readv and write the reduced pieces into them with
+process_vm_writev. It must give bitwise what the staged, pipelined path gives (every
+dtype and operator, uneven pieces, 2 and 3 ranks), and the ranks must always agree on
+the path: a rank that votes against it (``COLLECTIVES_SHM_CMA=0``, or a kernel whose
+copy between processes it measured as too slow) or that cannot read its peers or write
+through the kernel turns it off for the whole group, which still computes the right
+result; a rank that measured it paying only for larger messages sets the group's line,
+agreed by every rank at the first large call. Nothing may be written into a rank's array
+once its call returned with an error.
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ def _agree_job() -> dict:
             real = probe._native_module
             stub = type("Forbidden", (), {
                 name: staticmethod(getattr(real, name))
-                for name in ("cma_reduce", "cma_read", "cma_write")})
+                for name in ("cma_read", "cma_write")})
             setattr(stub, forbidden, staticmethod(lambda *args: -1))   # -EPERM
             probe._native_module = stub
         b = np.full(pg._cma_bytes // 4, me + 1.0, np.float32)
@@ -202,3 +204,99 @@ def test_the_speed_check_climbs_to_the_first_size_where_the_copy_pays(
     assert cma.cma_from_bytes(None) == line
     assert timed == sorted(ratios)                    # no rung past the one that paid
     assert cma.cma_from_bytes(None) == line and len(timed) == len(ratios)   # once
+
+
+class _LateCore:
+    """The group's core with ``cma_reduce`` started ``delay`` s late (a rank descheduled
+    or stopped between the phases); everything else is the core's."""
+
+    def __init__(self, core, delay: float) -> None:
+        object.__setattr__(self, "_core", core)
+        object.__setattr__(self, "_delay", delay)
+
+    def __getattr__(self, name):
+        return getattr(self._core, name)
+
+    def __setattr__(self, name, value):   # (the phase counter lives in the core)
+        setattr(self._core, name, value)
+
+    def cma_reduce(self, *args):
+        import time
+        time.sleep(self._delay)
+        return self._core.cma_reduce(*args)
+
+
+def _nothing_written_after_an_error_job() -> dict:
+    """After a single-copy all_reduce raised on a rank, no peer writes into its array
+    (a peer checks that the rank has not failed before every block it writes, and the
+    rank waits for a block in flight: cma.CmaReduce._await_pushers)."""
+    import time
+
+    from backends.shm import segment as sg
+    os.environ[CMA_ENV] = "1"
+    pg = collectives.init_process_group()
+    me = pg.rank
+    late, flagged, stuck = (pg.new_group([0, 1]) for _ in range(3))
+    count = pg._cma_bytes // 4
+    for g in (late, flagged, stuck):   # the first call votes and probes
+        g.all_reduce(np.ones(count, np.float32))
+    out = {}
+
+    # 1. Rank 1 reaches its writes 2.5 s late; rank 0 times out at 1 s, hands its
+    # array back and overwrites it; rank 1 must not write there (it raises instead).
+    late.timeout = 1.0
+    a = np.full(count, me + 1.0, np.float32)
+    if me == 1:
+        late._native = _LateCore(late._native, 2.5)
+    try:
+        late.all_reduce(a)
+        out["late"] = "returned"
+    except collectives.CollectiveError as exc:
+        out["late"] = type(exc).__name__
+    if me == 0:
+        a[:] = -7.0
+        time.sleep(3.0)
+        out["late_untouched"] = bool(np.all(a == -7.0))
+    pg.barrier()
+
+    # 2. Rank 1 is in the middle of a block for rank 0 (its W_PUSHING word says so) when
+    # rank 0 fails: rank 0 raises only once rank 1 is done (0.8 s later), or, where
+    # rank 1 never is, after the grace, naming it.
+    for g, clear_after in ((flagged, 0.8), (stuck, None)):
+        word = g._layout.ctrl_word(1, sg.W_PUSHING)
+        if me == 1:
+            g._u64[word] = 1          # "writing into rank 0"
+        pg.barrier()
+        if me == 0:
+            g.timeout = 0.3
+            t0 = time.monotonic()
+            try:
+                g.all_reduce(np.ones(count, np.float32))   # rank 1 never calls it
+            except collectives.CollectiveError as exc:
+                out[f"raised_{clear_after}"] = (time.monotonic() - t0,
+                                                "ranks [1]" in "".join(exc.__notes__))
+        elif clear_after is not None:
+            time.sleep(clear_after)
+            g._u64[word] = 0
+        pg.barrier()
+        if me == 1:
+            g._u64[word] = 0
+    for g in (late, flagged, stuck):
+        g.close()
+    pg.close()
+    return out
+
+
+@needs_core
+def test_no_rank_writes_into_an_array_handed_back_with_an_error():
+    results = collectives.spawn(_nothing_written_after_an_error_job, 2, backend="shm",
+                                timeout=60, join_timeout=300)
+    r0, r1 = results
+    if r0["late"] == "returned":
+        pytest.skip("this kernel forbids process_vm_readv between the ranks")
+    assert r0["late"] == "CollectiveTimeout" and r1["late"] == "PeerError", results
+    assert r0["late_untouched"], "rank 1 wrote into rank 0's array after rank 0 raised"
+    waited, _ = r0["raised_0.8"]
+    assert 0.8 <= waited < 0.8 + cma._PUSH_GRACE, waited   # after the write, not before
+    waited, named = r0["raised_None"]
+    assert waited >= 0.3 + cma._PUSH_GRACE and named, r0["raised_None"]

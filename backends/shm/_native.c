@@ -52,6 +52,7 @@
 #define W_FP 1
 #define W_STATE 6
 #define W_SLEEPERS 9
+#define W_PUSHING 10
 #define BELL_BYTE 64
 #define STATE_FAILED 2
 #define STATE_CLOSED 3
@@ -929,7 +930,8 @@ static void copy_out_chunk(Group *g, char *a, int bank, Py_ssize_t total, Py_ssi
 
 /* Bumped whenever a call of this module changes its arguments or meaning, so that
  * native.py refuses a stale build (LAYOUT) instead of failing inside a collective. 2:
- * cma_reduce pushes the reduced piece into the peers (its 7th argument), cma_write. */
+ * Group.cma_reduce (writing the reduced piece into the peers, fenced by W_PUSHING)
+ * replaces the module's, and cma_write. */
 #define CORE_REVISION 2
 
 /* The pipelined reduce's largest piece (reduce.py's PIECE_MAX_BYTES, checked at load):
@@ -1245,6 +1247,8 @@ static PyObject *G_wait_change(Group *g, PyObject *const *args, Py_ssize_t nargs
     return PyLong_FromLong(status);
 }
 
+static PyObject *G_cma_reduce(Group *g, PyObject *const *args, Py_ssize_t nargs);
+
 static PyMethodDef Group_methods[] = {
     {"bell", (PyCFunction)G_bell, METH_NOARGS, "This rank's doorbell value."},
     {"sleepers", (PyCFunction)G_sleepers, METH_NOARGS, "Threads of this rank asleep."},
@@ -1275,6 +1279,10 @@ static PyMethodDef Group_methods[] = {
     {"recv", (PyCFunction)(void (*)(void))G_recv, METH_FASTCALL,
      "recv(src, tail, tag, out, budget) -> new tail; -1 not there within budget s; -2 the "
      "next message is another."},
+    {"cma_reduce", (PyCFunction)(void (*)(void))G_cma_reduce, METH_FASTCALL,
+     "cma_reduce(out, pids, addrs, dtype, op) -> 0 or -errno (-ECANCELED: a peer "
+     "failed or closed): out = the rank-order reduction of the peers' pieces (read in "
+     "place) and out, written into the peers' pieces too."},
     {"wait_change", (PyCFunction)(void (*)(void))G_wait_change, METH_FASTCALL,
      "wait_change(word_off, old, budget) -> 1 once the word changed, 0 after budget s."},
     {NULL, NULL, 0, NULL},
@@ -1351,10 +1359,11 @@ static PyObject *m_combine(PyObject *mod, PyObject *const *args, Py_ssize_t narg
 }
 
 /* ------------------------------------------------------- cross-memory attach (CMA) */
-/* Single-copy reads of a peer's memory (process_vm_readv: the kernel copies from the
- * peer's pages straight into ours), for the large all_reduce of cma.py. Both return 0,
- * or -errno of the first failed read (EPERM where ptrace rules forbid it, ENOSYS where
- * the kernel lacks it, ESRCH/EFAULT for a peer gone or an address not its). */
+/* Single-copy reads of a peer's memory and writes into it (process_vm_readv/writev: the
+ * kernel copies between the peer's pages and ours), for the large all_reduce of cma.py.
+ * Each call returns 0, or -errno of the first failed copy (EPERM where ptrace rules
+ * forbid it, ENOSYS where the kernel or a seccomp filter lacks it, ESRCH/EFAULT for a
+ * peer gone or an address not its). */
 #define CMA_BLOCK (256 << 10)
 
 /* len bytes between `local` here and `addr` in process pid: read into local (!write) or
@@ -1408,21 +1417,26 @@ static PyObject *m_cma_write(PyObject *mod, PyObject *const *args, Py_ssize_t na
     return cma_one(args, nargs, 1, "cma_write");
 }
 
-/* cma_reduce(out, pids, addrs, me, dtype, op, push) -> 0 or -errno. out is this rank's
- * piece of its own array, and source `me` of the reduction; the same piece of rank r's
- * array (r != me) is at addrs[r] in process pids[r]. Block by block (a quarter MiB, so the
- * copies stay in cache): read every peer's block, then out = s_0 (op) s_1 ... in rank
- * order, AVG divided by n once: bitwise what combine computes; with `push`, the reduced
- * block is then written into every peer's piece too, from the cache (the block it read
- * there a moment before: no other rank touches that piece of a peer's array during the
- * call). GIL released. */
-static PyObject *m_cma_reduce(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    int me, code, op, push;
+/* Group.cma_reduce(out, pids, addrs, dtype, op) -> 0 or -errno. out is this rank's piece
+ * of its own array, and source `me` of the reduction; the same piece of rank r's array
+ * (r != me) is at addrs[r] in process pids[r]. Block by block (a quarter MiB, so the
+ * copies stay in cache): read every peer's block, out = s_0 (op) s_1 ... in rank order
+ * (AVG divided by n once: bitwise what combine computes), then write the reduced block
+ * into every peer's piece from the cache. No other rank touches piece `me` of any
+ * array during the call (its owner reads a block there before writing that block).
+ *
+ * A peer may leave the call early with an error (a timeout, a failure of its own) and
+ * hand its array back to its caller; nothing may be written there after that. So each
+ * write is fenced like a Dekker lock against the peer's exit: this rank stores "writing
+ * into r" in its W_PUSHING word, then loads r's state, and writes only if r has not
+ * failed or closed; a rank that leaves stores its failed state, then loads every peer's
+ * W_PUSHING and waits while one writes into it (cma.py's _await_pushers). One of the two
+ * sees the other. -ECANCELED where a peer had failed or closed. GIL released. */
+static PyObject *G_cma_reduce(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    int code, op, me = g->rank;
     Py_buffer out;
-    NARGS("cma_reduce", 7);
-    if (arg_int(args[3], &me) < 0 || arg_int(args[4], &code) < 0 || arg_int(args[5], &op) < 0
-        || (push = PyObject_IsTrue(args[6])) < 0)
-        return NULL;
+    NARGS("cma_reduce", 5);
+    if (arg_int(args[3], &code) < 0 || arg_int(args[4], &op) < 0) return NULL;
     if (check_kernel(code, op) < 0) return NULL;
     PyObject *pids = PySequence_Fast(args[1], "shm native cma_reduce: a sequence of pids");
     if (pids == NULL) return NULL;
@@ -1433,8 +1447,8 @@ static PyObject *m_cma_reduce(PyObject *mod, PyObject *const *args, Py_ssize_t n
     int *pid = NULL;
     uint64_t *addr = NULL;
     char **tmp = NULL, **srcs = NULL;
-    if (n < 2 || n != PySequence_Fast_GET_SIZE(addrs) || me < 0 || me >= n) {
-        PyErr_SetString(PyExc_ValueError, "shm native cma_reduce: bad pids, addrs or me");
+    if (n != g->size || n != PySequence_Fast_GET_SIZE(addrs)) {
+        PyErr_SetString(PyExc_ValueError, "shm native cma_reduce: a pid and an address per rank");
         goto end_seq;
     }
     pid = PyMem_Malloc(sizeof(int) * (size_t)n);
@@ -1451,23 +1465,30 @@ static PyObject *m_cma_reduce(PyObject *mod, PyObject *const *args, Py_ssize_t n
     if (get_array(args[0], &out, 1, "cma_reduce") < 0) goto end_alloc;
     int itemsize = KERNELS[code].itemsize, rc = 0;
     Py_ssize_t block = CMA_BLOCK / itemsize * itemsize;
+    au64 *pushing = word(g, me, W_PUSHING);
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t off = 0; off < out.len && rc == 0; off += block) {
         Py_ssize_t k = out.len - off < block ? out.len - off : block;
+        char *mine = (char *)out.buf + off;
         for (Py_ssize_t r = 0; r < n && rc == 0; r++) {
             if (r == me) {
-                srcs[r] = (char *)out.buf + off;
+                srcs[r] = mine;
             } else {
                 rc = cma_transfer((pid_t)pid[r], tmp[r], addr[r] + (uint64_t)off, (size_t)k, 0);
                 srcs[r] = tmp[r];
             }
         }
-        if (rc == 0)
-            KERNELS[code].fn((char *)out.buf + off, srcs, (int)n, k / itemsize, op, (int)n);
-        for (Py_ssize_t r = 0; push && r < n && rc == 0; r++)
-            if (r != me)
-                rc = cma_transfer((pid_t)pid[r], (char *)out.buf + off, addr[r] + (uint64_t)off,
-                                  (size_t)k, 1);
+        if (rc == 0) KERNELS[code].fn(mine, srcs, (int)n, k / itemsize, op, (int)n);
+        for (int r = 0; r < n && rc == 0; r++) {
+            if (r == me) continue;
+            atomic_store_explicit(pushing, (uint64_t)r + 1, memory_order_seq_cst);
+            uint64_t state = atomic_load_explicit(word(g, r, W_STATE), memory_order_seq_cst);
+            if (state == STATE_FAILED || state == STATE_CLOSED)
+                rc = -ECANCELED;
+            else
+                rc = cma_transfer((pid_t)pid[r], mine, addr[r] + (uint64_t)off, (size_t)k, 1);
+            atomic_store_explicit(pushing, 0, memory_order_release);
+        }
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&out);
@@ -1495,10 +1516,6 @@ static PyMethodDef module_methods[] = {
      "cma_read(out, pid, addr) -> 0 or -errno: a peer's bytes, one kernel copy."},
     {"cma_write", (PyCFunction)(void (*)(void))m_cma_write, METH_FASTCALL,
      "cma_write(src, pid, addr) -> 0 or -errno: bytes into a peer, one kernel copy."},
-    {"cma_reduce", (PyCFunction)(void (*)(void))m_cma_reduce, METH_FASTCALL,
-     "cma_reduce(out, pids, addrs, me, dtype, op, push) -> 0 or -errno: out = the "
-     "rank-order reduction of the peers' pieces (read in place) and out; push: also into "
-     "the peers' pieces."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1520,8 +1537,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     }
     /* What this file assumes of segment.py, ops.py and reduce.py; native.py checks it at
      * import. */
-    PyModule_AddObject(m, "LAYOUT", Py_BuildValue("(iiiiiiii)", CTRL_STRIDE, W_ARRIVED, W_FP,
-                                                  W_STATE, W_SLEEPERS, BELL_BYTE,
+    PyModule_AddObject(m, "LAYOUT", Py_BuildValue("(iiiiiiiii)", CTRL_STRIDE, W_ARRIVED, W_FP,
+                                                  W_STATE, W_SLEEPERS, W_PUSHING, BELL_BYTE,
                                                   PIECE_MAX_BYTES, CORE_REVISION));
     PyModule_AddObject(m, "DTYPE_CODES", Py_BuildValue(
         "{sisisisisisisisisisi}", "float16", T_F16, "bfloat16", T_BF16, "float32", T_F32,

@@ -18,18 +18,25 @@ arrays where they lie:
    A 0 turns the path off for the group, on every rank; else the group's line is the
    largest published, and a message below it takes the pipelined path (and later ones
    below it do not ask again: every rank raised its ``_cma_bytes`` alike). The first
-   time all can, each also reads a byte of every peer's array and writes it back, and
-   publishes whether that worked (phase 2): a kernel that forbids it turns the path off
-   for the group, on every rank, and that call and every later one take the pipelined
-   path.
+   time all can, each also reads a byte of every peer's array and writes a byte of its
+   own through the kernel, and publishes whether that worked (phase 2): a kernel that
+   forbids it turns the path off for the group, on every rank, and that call and every
+   later one take the pipelined path.
 2. reduce and push: rank k owns piece k of ``a`` (n aligned pieces). Block by block (a
    quarter MiB, so it stays in cache) it reads piece k of every peer's array, reduces
    them with its own in rank order into its own array, and writes the reduced block into
-   piece k of every peer's array (``_native.cma_reduce``, GIL released). Piece k of any
-   array is touched by rank k alone during the call (its owner reads a block there
-   before it writes that block), so nothing races.
+   piece k of every peer's array (the core's ``Group.cma_reduce``, GIL released). Piece
+   k of any array is touched by rank k alone during the call (its owner reads a block
+   there before it writes that block), so nothing races.
 3. phase: every owner is done, so every array holds the whole result; each rank may
    return and reuse its array.
+
+A rank that leaves with an error instead (a timeout, a failed peer, a failed copy) may
+have peers still writing into its array: before each block it writes, a peer stores
+whom it writes into (``W_PUSHING``) and then checks that this rank has not failed, and
+this rank marks itself failed and then waits for any block in flight into it before it
+raises (:meth:`CmaReduce._await_pushers`). So nothing is written into an array once its
+call has returned, error or not (``tests/test_shm_cma.py`` has a rank write 2.5 s late).
 
 Each element is reduced once, by its owner, in rank order, by the same kernels as the
 other paths: the ranks get bitwise-identical results, bitwise those of the pipelined
@@ -54,6 +61,7 @@ import numpy as np
 from collectives.errors import CollectiveError, PeerError
 from collectives.reduce_op import ReduceOp
 
+from . import segment as sg
 from .ops import _DTYPE_CODE, _REDOP_BY_ID, OP_ALL_REDUCE, piece_bounds
 
 #: all_reduce messages of at least this many bytes, times ``size // 2``, read the peers'
@@ -94,6 +102,9 @@ CMA_MAX_COST = 1.25
 #:   slower than now) tied staging at 4 MiB and won by 1.3-1.7 times at 16 MiB;
 #: - on the VM of the README's first figures, 3.5-5 times at 1 MiB: staging won at every
 #:   size.
+#:
+#: Only the read is timed: a write through the kernel cost the same or less (on the VM
+#: of the first point, 1.6 against 1.7 times memcpy at 2 MiB, 1.06 against 1.32 at 4).
 SPEED_LADDER = (
     (1 << 20, CMA_MAX_COST, CMA_ALL_REDUCE_BYTES),
     (2 << 20, 1.4, 2 << 20),
@@ -111,6 +122,10 @@ _from_bytes: "int | None" = None
 measured: dict[int, float] = {}
 #: Seconds a rank that found a peer's memory gone waits to see it die before it says so.
 _EXIT_GRACE = 2.0
+#: Seconds a rank leaving a single-copy all_reduce with an error waits for a peer to
+#: finish the block it is writing into this rank's array (a quarter MiB: microseconds
+#: unless that peer is descheduled).
+_PUSH_GRACE = 1.0
 
 
 def cma_cost_ratio(mod, nbytes: int = _PROBE_BYTES, rounds: int = 3) -> float:
@@ -189,13 +204,32 @@ class CmaReduce:
 
     def _cma_all_reduce(self, a: np.ndarray, op: ReduceOp, seq: int) -> bool:
         """all_reduce of the flat ``a`` through the peers' memory; False (having agreed
-        on it with every rank) where the pipelined path must run instead."""
-        n, me = self.size, self.rank
+        on it with every rank) where the pipelined path must run instead.
+
+        From the moment this rank publishes the address of ``a``, peers may write into
+        it (the reduced pieces they own), so this rank leaves only when none does any
+        more: by the last phase (every rank finished), or, on an error, once it has
+        marked itself failed (a peer checks that before every block it writes) and the
+        peers in the middle of a block finished it (:meth:`_await_pushers`)."""
         self._start(OP_ALL_REDUCE, seq, a.dtype, a.nbytes, -1, op)
         q = self._enter()
-        words = self._sv(q & 1, me, np.uint64)
+        words = self._sv(q & 1, self.rank, np.uint64)
         words[0] = a.ctypes.data
         words[1] = self._cma_line()
+        try:
+            return self._cma_all_reduce_published(a, op, q)
+        except BaseException as exc:
+            self._fail(exc)   # (marks this rank failed: no peer starts another block)
+            writing = self._await_pushers()
+            if writing:
+                exc.add_note(f"[rank {self.rank}] ranks {writing} were still writing into "
+                             f"this all_reduce's array {_PUSH_GRACE:g} s after this error; "
+                             f"they stop at their next block (a quarter MiB)")
+            raise
+
+    def _cma_all_reduce_published(self, a: np.ndarray, op: ReduceOp, q: int) -> bool:
+        """``_cma_all_reduce`` from phase 1 (its words written) on."""
+        n, me = self.size, self.rank
         self._exchange(q)
         published = [self._sv(q & 1, r, np.uint64) for r in range(n)]
         addrs = [int(w[0]) for w in published]
@@ -207,39 +241,64 @@ class CmaReduce:
         self._cma_bytes = max(self._cma_bytes, line)
         if a.nbytes < line:
             return False
-        mod = self._native_module
         if self._cma is None:
-            self._cma = self._cma_probe(mod, addrs)
+            self._cma = self._cma_probe(self._native_module, addrs)
             if not self._cma:
                 return False
         itemsize = a.itemsize
-        bounds = piece_bounds(a.size, n, itemsize)
-        pids = self._pids
-        k0, k1 = bounds[me]
+        k0, k1 = piece_bounds(a.size, n, itemsize)[me]
         if k1 > k0:
-            rc = mod.cma_reduce(a[k0:k1], pids, [x + k0 * itemsize for x in addrs], me,
-                                _DTYPE_CODE.get(a.dtype, 0), _REDOP_BY_ID[id(op)], True)
+            rc = self._native.cma_reduce(a[k0:k1], self._pids,
+                                         [x + k0 * itemsize for x in addrs],
+                                         _DTYPE_CODE.get(a.dtype, 0), _REDOP_BY_ID[id(op)])
             self._cma_check(rc, "reading the peers' pieces or writing them the result")
         self._exchange(self._enter())
         return True
 
+    def _await_pushers(self) -> list:
+        """After this rank marked itself failed in a single-copy all_reduce: wait until
+        no live peer is in the middle of writing a block into this rank's array (its
+        ``W_PUSHING`` word names this rank), at most :data:`_PUSH_GRACE` seconds; the
+        ranks still writing then. A peer stores that word before it reads this rank's
+        state and writes only if the state is not failed; this rank stored its state
+        before it reads the words (a fence between): one of the two sees the other."""
+        u64 = self._u64
+        if u64 is None:
+            return []
+        self._bells.fence()
+        lay, mine = self._layout, self.rank + 1
+        deadline = time.monotonic() + _PUSH_GRACE
+        while True:
+            writing = [r for r in self._peers
+                       if u64[lay.ctrl_word(r, sg.W_PUSHING)] == mine and not self._dead(r)]
+            if not writing or time.monotonic() >= deadline:
+                return writing
+            time.sleep(0.0002)
+
     def _cma_probe(self, mod, addrs: list) -> bool:
         """Phase 2 of a group's first single-copy all_reduce: can every rank read a byte
-        of every peer's array and write it back (unchanged: nobody changes an array
-        between the phases)? Decided alike on every rank."""
+        of every peer's array, and write through the kernel at all? Decided alike on
+        every rank. The write goes to this rank's own memory: the kernel checks a write
+        into a peer exactly as a read of it (ptrace access mode ATTACH for both), while a
+        seccomp filter may allow one call and not the other; and nothing may be written
+        into a peer that could have left the call."""
         probe = np.zeros(1, np.uint8)
-        ok = all(mod.cma_read(probe, self._pids[r], addrs[r]) == 0
-                 and mod.cma_write(probe, self._pids[r], addrs[r]) == 0 for r in self._peers)
+        ok = all(mod.cma_read(probe, self._pids[r], addrs[r]) == 0 for r in self._peers) \
+            and mod.cma_write(probe, os.getpid(), np.zeros(1, np.uint8).ctypes.data) == 0
         q = self._enter()
         self._sv(q & 1, self.rank, np.uint64)[0] = int(ok)
         self._exchange(q)
         return all(int(self._sv(q & 1, r, np.uint64)[0]) for r in range(self.size))
 
     def _cma_check(self, rc: int, what: str) -> None:
-        """Raise for a failed read: PeerError for a peer that is gone (the kernel's
-        ESRCH), else CollectiveError with the kernel's reason."""
+        """Raise for a failed copy: PeerError for a peer that failed or closed (the core's
+        ECANCELED: it stopped writing into it) or that is gone (the kernel's ESRCH),
+        else CollectiveError with the kernel's reason."""
         if not rc:
             return
+        if rc == -errno.ECANCELED:
+            for r in self._peers:
+                self._check_peer(r, self._op_name, self._op_seq, check_pid=True)
         if rc == -errno.ESRCH:
             # The peer's memory is gone: it is exiting. Name it once it is a zombie, as
             # the other ranks' own liveness checks will, so that every rank names the

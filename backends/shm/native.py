@@ -66,8 +66,8 @@ def _load() -> Optional[ModuleType]:
     from . import segment as sg
     from .ops import _DTYPE_CODE, _REDOP_CODE, OP_ALL_REDUCE, dtype_name
     from .reduce import PIECE_MAX_BYTES
-    layout = (sg.CTRL_STRIDE, sg.W_ARRIVED, sg.W_FP, sg.W_STATE, sg.W_SLEEPERS, sg.BELL_BYTE,
-              PIECE_MAX_BYTES, CORE_REVISION)
+    layout = (sg.CTRL_STRIDE, sg.W_ARRIVED, sg.W_FP, sg.W_STATE, sg.W_SLEEPERS, sg.W_PUSHING,
+              sg.BELL_BYTE, PIECE_MAX_BYTES, CORE_REVISION)
     codes = {dtype_name(c): c for c in _DTYPE_CODE.values()}
     redops = {op.name: c for op, c in _REDOP_CODE.items()}
     if tuple(mod.LAYOUT) != layout or dict(mod.DTYPE_CODES) != codes or \
