@@ -22,6 +22,7 @@ from collectives import ReduceOp
 
 from backends.shm import cma, native
 from backends.shm.cma import CMA_ENV
+from backends.shm.pushing import PUSH_GRACE
 
 from test_shm_native import FLOATS, INTS, _dtype, _ops, _same, _values
 
@@ -297,6 +298,6 @@ def test_no_rank_writes_into_an_array_handed_back_with_an_error():
     assert r0["late"] == "CollectiveTimeout" and r1["late"] == "PeerError", results
     assert r0["late_untouched"], "rank 1 wrote into rank 0's array after rank 0 raised"
     waited, _ = r0["raised_0.8"]
-    assert 0.8 <= waited < 0.8 + cma._PUSH_GRACE, waited   # after the write, not before
+    assert 0.8 <= waited < 0.8 + PUSH_GRACE, waited   # after the write, not before
     waited, named = r0["raised_None"]
-    assert waited >= 0.3 + cma._PUSH_GRACE and named, r0["raised_None"]
+    assert waited >= 0.3 + PUSH_GRACE and named, r0["raised_None"]

@@ -10,7 +10,9 @@ ranks asking for different sizes all get a ValueError and the group goes on; and
 DDP's buckets live there. World 3 runs the Python path (``COLLECTIVES_SHM_NATIVE=0``).
 Late ranks and waits longer than the core's own budget take the Python waits between the
 core's calls. A buffer nothing refers to any more is let go (model after model on one
-group maps only the live buffers), and a rank that let go of its copy declines. The base class's default (plain memory) runs in a thread world. Its
+group maps only the live buffers), and a rank that let go of its copy declines. No rank
+pushes its piece into the buffer of a rank that failed (on the core and in Python). The
+base class's default (plain memory) runs in a thread world. Its
 faults (a rank killed in it, one that never comes, ranks whose operators differ) are in
 test_faults.py (``all_reduce_symmetric``, ``symmetric op``).
 """
@@ -449,3 +451,46 @@ def test_default_is_plain_aligned_memory():
         assert len(errors) == 4
         assert all("alloc_symmetric" in e and "`nbytes`" in e and f"rank {rank}/2" in e
                    for e in errors)
+
+
+def _refused_push_job() -> dict:
+    """Rank 0 has (as far as its state word says) left the call with an error after it
+    voted: rank 1 must not push its reduced piece into rank 0's buffer, and raises a
+    PeerError naming rank 0 (backends/shm/pushing.py)."""
+    from backends.shm import segment as sg
+    from collectives import CollectiveError
+    pg = collectives.init_process_group()
+    g = pg.new_group([0, 1])
+    a = g.alloc_symmetric(1 << 20).view(np.float32)
+    a[:] = 1.0
+    g.all_reduce(a)                       # plans made, the vote known to pass
+    a[:] = pg.rank + 1.0
+    pg.barrier()
+    out = {"native": g.native}
+    if pg.rank == 0:
+        g._u64[g._state_idx[0]] = sg.STATE_FAILED
+    else:
+        time.sleep(0.3)                   # rank 0 votes first, rank 1 sees it arrived
+    try:
+        g.all_reduce(a)
+        out["error"] = None
+    except CollectiveError as exc:
+        out["error"] = (type(exc).__name__, getattr(exc, "peer", None))
+    half = a.size // 2
+    out["mine"] = float(a[:half].max()) if pg.rank == 0 else None
+    out["theirs"] = sorted({float(x) for x in a[half:]}) if pg.rank == 0 else None
+    pg.barrier()
+    g.close()
+    pg.close()
+    return out
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_no_push_into_a_rank_that_failed(native):
+    if native == "1" and native_module() is None:
+        pytest.skip("backends.shm._native is not built")
+    r0, r1 = collectives.spawn(_refused_push_job, 2, backend="shm", timeout=30,
+                               join_timeout=120, env={"COLLECTIVES_SHM_NATIVE": native})
+    assert r0["native"] == (native == "1")
+    assert r1["error"] == ("PeerError", 0), r1
+    assert r0["theirs"] == [1.0], r0      # rank 1's piece of rank 0's buffer: untouched

@@ -708,6 +708,47 @@ static void reduce_pieces(int code, int op, int n, char *out, char **srcs, int k
     }
 }
 
+/* Before writing into rank r's memory (its array, its symmetric buffer), which r may
+ * hand back to its caller as it leaves a call with an error: store "writing into r" in
+ * this rank's W_PUSHING word, then load r's state; 0 where r has failed or closed (write
+ * nothing), 1 where the write may go ahead (then call push_end after it). A rank that
+ * leaves with an error stores its failed state, then loads every peer's W_PUSHING and
+ * waits while one names it (ops.py's _await_pushers): one of the two sees the other. */
+static int push_begin(Group *g, int r) {
+    atomic_store_explicit(word(g, g->rank, W_PUSHING), (uint64_t)r + 1, memory_order_seq_cst);
+    uint64_t state = atomic_load_explicit(word(g, r, W_STATE), memory_order_seq_cst);
+    if (state == STATE_FAILED || state == STATE_CLOSED) {
+        atomic_store_explicit(word(g, g->rank, W_PUSHING), 0, memory_order_release);
+        return 0;
+    }
+    return 1;
+}
+
+static void push_end(Group *g) {
+    atomic_store_explicit(word(g, g->rank, W_PUSHING), 0, memory_order_release);
+}
+
+/* reduce_pieces where the copies are the peers' memory, in rank order without this rank
+ * (copy i is rank i + (i >= rank)): every piece's copy fenced by push_begin/push_end.
+ * 0, or -1 where a peer had failed or closed (nothing more is written then). */
+static int reduce_pieces_into_peers(Group *g, int code, int op, char *out, char **srcs,
+                                    int k, char **shifted, char **copies, Py_ssize_t c,
+                                    Py_ssize_t count) {
+    int itemsize = KERNELS[code].itemsize;
+    Py_ssize_t piece = COPY_PIECE / itemsize;
+    for (Py_ssize_t lo = 0; lo < count; lo += piece) {
+        Py_ssize_t m = count - lo < piece ? count - lo : piece, off = lo * itemsize;
+        for (int i = 0; i < k; i++) shifted[i] = srcs[i] + off;
+        KERNELS[code].fn(out + off, shifted, k, m, op, g->size);
+        for (Py_ssize_t i = 0; i < c; i++) {
+            if (!push_begin(g, (int)i + (i >= g->rank))) return -1;
+            memcpy(copies[i] + off, out + off, (size_t)(m * itemsize));
+            push_end(g);
+        }
+    }
+    return 0;
+}
+
 static void reduction_run(Reduction *R, int code, int op, int n) {
     reduce_pieces(code, op, n, R->out.buf, R->ptrs, (int)R->k, R->ptrs + R->k,
                   R->ptrs + 2 * R->k, R->c, R->out.len / KERNELS[code].itemsize);
@@ -850,8 +891,12 @@ static PyObject *m_bind_codes(PyObject *mod, PyObject *const *args, Py_ssize_t n
  * else piece = sources in rank order (op), pushed into every copy, then publish q + 1
  * with (fp0, fp1) and wait for it (phase 1). `piece` None: this rank owns nothing.
  * BUDGET or PEER say which phase is still awaited: Python waits it out (exchange with
- * `published`) and, for phase 0, calls again with `resume`. */
+ * `published`) and, for phase 0, calls again with `resume`; CANCELED: a peer had failed
+ * before this rank's push into it. */
 #define DECLINED 4
+/* A peer had failed or closed before this rank's write into it (push_begin): nothing
+ * was written there, this rank published nothing more, and Python names the peer. */
+#define CANCELED 6
 
 static PyObject *G_sym_all_reduce(Group *g, PyObject *const *args, Py_ssize_t nargs) {
     uint64_t q, vfp0, fp0, fp1, vote0, vote1;
@@ -882,11 +927,20 @@ static PyObject *G_sym_all_reduce(Group *g, PyObject *const *args, Py_ssize_t na
     }
     if (args[0] != Py_None) {
         Reduction R;
+        int pushed;
         if (reduction_get(&R, args[0], args[1], args[2], "sym_all_reduce") < 0) return NULL;
+        if (R.c != g->size - 1) {
+            reduction_release(&R);
+            return PyErr_Format(PyExc_ValueError, "shm native sym_all_reduce: %zd copies, "
+                                "one per peer expected", R.c);
+        }
         Py_BEGIN_ALLOW_THREADS
-        reduction_run(&R, code, op, g->size);
+        pushed = reduce_pieces_into_peers(g, code, op, R.out.buf, R.ptrs, (int)R.k,
+                                          R.ptrs + R.k, R.ptrs + 2 * R.k, R.c,
+                                          R.out.len / KERNELS[code].itemsize);
         Py_END_ALLOW_THREADS
         reduction_release(&R);
+        if (pushed < 0) return Py_BuildValue("(ii)", CANCELED, 1);   /* q + 1 not published */
     }
     store_fp(g, q + 1, fp0, fp1);
     arrive(g, q + 1);
@@ -1426,12 +1480,9 @@ static PyObject *m_cma_write(PyObject *mod, PyObject *const *args, Py_ssize_t na
  * array during the call (its owner reads a block there before writing that block).
  *
  * A peer may leave the call early with an error (a timeout, a failure of its own) and
- * hand its array back to its caller; nothing may be written there after that. So each
- * write is fenced like a Dekker lock against the peer's exit: this rank stores "writing
- * into r" in its W_PUSHING word, then loads r's state, and writes only if r has not
- * failed or closed; a rank that leaves stores its failed state, then loads every peer's
- * W_PUSHING and waits while one writes into it (cma.py's _await_pushers). One of the two
- * sees the other. -ECANCELED where a peer had failed or closed. GIL released. */
+ * hand its array back to its caller; nothing may be written there after that: each
+ * block's write is fenced by push_begin/push_end. -ECANCELED where a peer had failed or
+ * closed. GIL released. */
 static PyObject *G_cma_reduce(Group *g, PyObject *const *args, Py_ssize_t nargs) {
     int code, op, me = g->rank;
     Py_buffer out;
@@ -1465,7 +1516,6 @@ static PyObject *G_cma_reduce(Group *g, PyObject *const *args, Py_ssize_t nargs)
     if (get_array(args[0], &out, 1, "cma_reduce") < 0) goto end_alloc;
     int itemsize = KERNELS[code].itemsize, rc = 0;
     Py_ssize_t block = CMA_BLOCK / itemsize * itemsize;
-    au64 *pushing = word(g, me, W_PUSHING);
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t off = 0; off < out.len && rc == 0; off += block) {
         Py_ssize_t k = out.len - off < block ? out.len - off : block;
@@ -1481,13 +1531,12 @@ static PyObject *G_cma_reduce(Group *g, PyObject *const *args, Py_ssize_t nargs)
         if (rc == 0) KERNELS[code].fn(mine, srcs, (int)n, k / itemsize, op, (int)n);
         for (int r = 0; r < n && rc == 0; r++) {
             if (r == me) continue;
-            atomic_store_explicit(pushing, (uint64_t)r + 1, memory_order_seq_cst);
-            uint64_t state = atomic_load_explicit(word(g, r, W_STATE), memory_order_seq_cst);
-            if (state == STATE_FAILED || state == STATE_CLOSED)
+            if (!push_begin(g, r)) {
                 rc = -ECANCELED;
-            else
-                rc = cma_transfer((pid_t)pid[r], mine, addr[r] + (uint64_t)off, (size_t)k, 1);
-            atomic_store_explicit(pushing, 0, memory_order_release);
+                break;
+            }
+            rc = cma_transfer((pid_t)pid[r], mine, addr[r] + (uint64_t)off, (size_t)k, 1);
+            push_end(g);
         }
     }
     Py_END_ALLOW_THREADS
@@ -1553,6 +1602,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "MISMATCH", MISMATCH);
     PyModule_AddIntConstant(m, "DECLINED", DECLINED);
     PyModule_AddIntConstant(m, "NOT_TAKEN", NOT_TAKEN);
+    PyModule_AddIntConstant(m, "CANCELED", CANCELED);
     PyModule_AddIntConstant(m, "OP_ALL_REDUCE", OP_ALL_REDUCE_CODE);
     return m;
 }

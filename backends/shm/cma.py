@@ -35,8 +35,8 @@ A rank that leaves with an error instead (a timeout, a failed peer, a failed cop
 have peers still writing into its array: before each block it writes, a peer stores
 whom it writes into (``W_PUSHING``) and then checks that this rank has not failed, and
 this rank marks itself failed and then waits for any block in flight into it before it
-raises (:meth:`CmaReduce._await_pushers`). So nothing is written into an array once its
-call has returned, error or not (``tests/test_shm_cma.py`` has a rank write 2.5 s late).
+raises (``pushing.py``). So nothing is written into an array once its call has
+returned, error or not (``tests/test_shm_cma.py`` has a rank write 2.5 s late).
 
 Each element is reduced once, by its owner, in rank order, by the same kernels as the
 other paths: the ranks get bitwise-identical results, bitwise those of the pipelined
@@ -61,7 +61,6 @@ import numpy as np
 from collectives.errors import CollectiveError, PeerError
 from collectives.reduce_op import ReduceOp
 
-from . import segment as sg
 from .ops import _DTYPE_CODE, _REDOP_BY_ID, OP_ALL_REDUCE, piece_bounds
 
 #: all_reduce messages of at least this many bytes, times ``size // 2``, read the peers'
@@ -122,10 +121,6 @@ _from_bytes: "int | None" = None
 measured: dict[int, float] = {}
 #: Seconds a rank that found a peer's memory gone waits to see it die before it says so.
 _EXIT_GRACE = 2.0
-#: Seconds a rank leaving a single-copy all_reduce with an error waits for a peer to
-#: finish the block it is writing into this rank's array (a quarter MiB: microseconds
-#: unless that peer is descheduled).
-_PUSH_GRACE = 1.0
 
 
 def cma_cost_ratio(mod, nbytes: int = _PROBE_BYTES, rounds: int = 3) -> float:
@@ -210,7 +205,7 @@ class CmaReduce:
         it (the reduced pieces they own), so this rank leaves only when none does any
         more: by the last phase (every rank finished), or, on an error, once it has
         marked itself failed (a peer checks that before every block it writes) and the
-        peers in the middle of a block finished it (:meth:`_await_pushers`)."""
+        peers in the middle of a block finished it (``pushing.py``)."""
         self._start(OP_ALL_REDUCE, seq, a.dtype, a.nbytes, -1, op)
         q = self._enter()
         words = self._sv(q & 1, self.rank, np.uint64)
@@ -219,12 +214,7 @@ class CmaReduce:
         try:
             return self._cma_all_reduce_published(a, op, q)
         except BaseException as exc:
-            self._fail(exc)   # (marks this rank failed: no peer starts another block)
-            writing = self._await_pushers()
-            if writing:
-                exc.add_note(f"[rank {self.rank}] ranks {writing} were still writing into "
-                             f"this all_reduce's array {_PUSH_GRACE:g} s after this error; "
-                             f"they stop at their next block (a quarter MiB)")
+            self._fail(exc)   # (no peer writes into `a` once this returns: pushing.py)
             raise
 
     def _cma_all_reduce_published(self, a: np.ndarray, op: ReduceOp, q: int) -> bool:
@@ -255,26 +245,6 @@ class CmaReduce:
         self._exchange(self._enter())
         return True
 
-    def _await_pushers(self) -> list:
-        """After this rank marked itself failed in a single-copy all_reduce: wait until
-        no live peer is in the middle of writing a block into this rank's array (its
-        ``W_PUSHING`` word names this rank), at most :data:`_PUSH_GRACE` seconds; the
-        ranks still writing then. A peer stores that word before it reads this rank's
-        state and writes only if the state is not failed; this rank stored its state
-        before it reads the words (a fence between): one of the two sees the other."""
-        u64 = self._u64
-        if u64 is None:
-            return []
-        self._bells.fence()
-        lay, mine = self._layout, self.rank + 1
-        deadline = time.monotonic() + _PUSH_GRACE
-        while True:
-            writing = [r for r in self._peers
-                       if u64[lay.ctrl_word(r, sg.W_PUSHING)] == mine and not self._dead(r)]
-            if not writing or time.monotonic() >= deadline:
-                return writing
-            time.sleep(0.0002)
-
     def _cma_probe(self, mod, addrs: list) -> bool:
         """Phase 2 of a group's first single-copy all_reduce: can every rank read a byte
         of every peer's array, and write through the kernel at all? Decided alike on
@@ -297,8 +267,7 @@ class CmaReduce:
         if not rc:
             return
         if rc == -errno.ECANCELED:
-            for r in self._peers:
-                self._check_peer(r, self._op_name, self._op_seq, check_pid=True)
+            self._raise_failed_peer()
         if rc == -errno.ESRCH:
             # The peer's memory is gone: it is exiting. Name it once it is a zombie, as
             # the other ranks' own liveness checks will, so that every rank names the

@@ -36,6 +36,7 @@ from collectives.work import Work
 from . import segment as sg
 from .channels import HEADER_BYTES, Engine, SendOp
 from .cma import CmaReduce, cma_min_bytes
+from .pushing import PushGuard
 from .futex import Doorbells, wait_mode
 from .native_ops import NativePaths
 from .ops import _DTYPE_CODE, CollectiveOps, dtype_code, dtype_name
@@ -94,8 +95,8 @@ class _P2PWork(Work):
         return op.done
 
 
-class ShmGroup(NativePaths, SymmetricHeap, CmaReduce, ReduceOps, CollectiveOps,
-               ProcessGroup):
+class ShmGroup(NativePaths, SymmetricHeap, CmaReduce, PushGuard, ReduceOps,
+               CollectiveOps, ProcessGroup):
     """Ranks of one host communicating through one POSIX shared-memory segment."""
 
     backend = "shm"

@@ -89,6 +89,7 @@ class NativePaths:
         core.small_limit = self._small_limit
         self._bells = NativeDoorbells(core, mode)
         self._DONE, self._MISMATCH, self._DECLINED = mod.DONE, mod.MISMATCH, mod.DECLINED
+        self._CANCELED = mod.CANCELED
         self._exchange = self._exchange_native
         self._small_reduce = self._small_reduce_native
         self._native = core   # (from now on the core keeps the phase counter: _phase)

@@ -26,6 +26,8 @@ from collectives.buffers import SUPPORTED_DTYPES
 from collectives.errors import CollectiveError, CollectiveMismatch, PeerError
 from collectives.reduce_op import ReduceOp, combine_into, finish
 
+from .pushing import PUSH_GRACE
+
 _DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(SUPPORTED_DTYPES)}
 _DTYPE_NAME = {i + 1: str(dt) for i, dt in enumerate(SUPPORTED_DTYPES)}
 _DTYPE_NAME[_DTYPE_CODE[np.dtype(ml_dtypes.bfloat16)]] = "bfloat16"
@@ -190,7 +192,9 @@ class CollectiveOps:
     def _fail(self, exc: BaseException) -> None:
         """Record ``exc`` as the group's failure and tell the peers (best effort): over a
         phase this rank already published, its fingerprint becomes OP_FAILED, so a peer
-        arriving later raises PeerError instead of completing with it."""
+        arriving later raises PeerError instead of completing with it. Then wait for a
+        peer in the middle of writing into this rank's memory (``pushing.py``): once
+        this returns, none writes there any more."""
         if self._seg is not None and self._broken is None:
             self._broken = exc
             try:
@@ -201,7 +205,12 @@ class CollectiveOps:
                     self._u64[i] = OP_FAILED | (self._fp0 & ~0xF)
                 self._mark(sg.STATE_FAILED)
             except Exception:  # noqa: BLE001 - report the original error
-                pass
+                return
+            writing = self._await_pushers()
+            if writing:
+                exc.add_note(f"[rank {self.rank}] ranks {writing} were still writing into "
+                             f"this call's memory {PUSH_GRACE:g} s after this error; "
+                             f"they stop before their next piece")
 
     def _piece_elems(self, itemsize: int) -> int:
         """Elements of one of the n pieces of a slot (64-byte aligned)."""

@@ -296,7 +296,9 @@ class SymmetricHeap:
                                 (self._sv(bank, r, np.uint64) for r in self._peers)):
             return False
         if piece is not None:
-            self._rank_order_reduce(piece, srcs, op, copies)
+            self._rank_order_reduce(piece, srcs, op)
+            for r, view in zip(self._peers, copies):   # (fenced: pushing.py)
+                self._push_into(r, view, piece)
         self._exchange(self._enter())
         return True
 
@@ -332,6 +334,8 @@ class SymmetricHeap:
         self._fp0 = fp0
         if status == self._DECLINED:
             return False
+        if status == self._CANCELED:   # (a peer failed before this rank's push into it)
+            self._raise_failed_peer()
         self._phase = q + 1
         if status != self._DONE and status != self._MISMATCH:
             status = self._settle(q + 1, lambda b: core.exchange(q + 1, fp0, fp1, b, True),
