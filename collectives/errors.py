@@ -45,3 +45,20 @@ class CollectiveMismatch(CollectiveError):
 def where(rank: int, size: int, op: str) -> str:
     """The standard prefix of every message: ``[rank 1/4] all_gather``."""
     return f"[rank {rank}/{size}] {op}"
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)`` (Python 3.11+), or the same ``__notes__`` list by hand on
+    3.10, where tracebacks do not print it but code that reads it finds it.
+
+    >>> e = ValueError("x"); add_note(e, "more"); e.__notes__
+    ['more']
+    """
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+        return
+    notes = getattr(exc, "__notes__", None)
+    if not isinstance(notes, list):
+        notes = []
+        exc.__notes__ = notes
+    notes.append(note)

@@ -19,7 +19,7 @@ import numpy as np
 
 from . import call_check, flight
 from .buffers import HostBuffer
-from .errors import CollectiveError
+from .errors import CollectiveError, add_note
 from .reduce_op import ReduceOp
 from .work import FutureWork, Work
 
@@ -196,10 +196,10 @@ class CallRunner:
             path = self._recorder.dump(rank=self.rank, size=self.size, backend=self.backend,
                                        group=self._flight_name, error=exc)
         except OSError as dump_error:
-            exc.add_note(f"[rank {self.rank}] could not write the flight record: {dump_error}")
+            add_note(exc, f"[rank {self.rank}] could not write the flight record: {dump_error}")
             return
-        exc.add_note(f"[rank {self.rank}] flight record: {path}\n  compare the ranks with: "
-                     f"python -m collectives.doctor {os.path.dirname(path)}")
+        add_note(exc, f"[rank {self.rank}] flight record: {path}\n  compare the ranks with: "
+                      f"python -m collectives.doctor {os.path.dirname(path)}")
 
 
 class _RecordedWork(Work):

@@ -985,8 +985,9 @@ static void copy_out_chunk(Group *g, char *a, int bank, Py_ssize_t total, Py_ssi
 /* Bumped whenever a call of this module changes its arguments or meaning, so that
  * native.py refuses a stale build (LAYOUT) instead of failing inside a collective. 2:
  * Group.cma_reduce (writing the reduced piece into the peers, fenced by W_PUSHING)
- * replaces the module's, and cma_write. */
-#define CORE_REVISION 2
+ * replaces the module's, and cma_write. 3: sym_all_reduce's pushes fenced alike (its
+ * CANCELED status). */
+#define CORE_REVISION 3
 
 /* The pipelined reduce's largest piece (reduce.py's PIECE_MAX_BYTES, checked at load):
  * a phase's copies and reduction then stay within a core's L2 (see reduce.py). */

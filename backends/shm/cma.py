@@ -35,8 +35,9 @@ A rank that leaves with an error instead (a timeout, a failed peer, a failed cop
 have peers still writing into its array: before each block it writes, a peer stores
 whom it writes into (``W_PUSHING``) and then checks that this rank has not failed, and
 this rank marks itself failed and then waits for any block in flight into it before it
-raises (``pushing.py``). So nothing is written into an array once its call has
-returned, error or not (``tests/test_shm_cma.py`` has a rank write 2.5 s late).
+raises (``pushing.py``, at most the group's timeout). So nothing is written into an
+array once its call has returned, error or not, unless a peer stops in the middle of a
+block for longer than the timeout (``tests/test_shm_cma.py`` has a rank write 2.5 s late).
 
 Each element is reduced once, by its owner, in rank order, by the same kernels as the
 other paths: the ranks get bitwise-identical results, bitwise those of the pipelined
@@ -252,9 +253,9 @@ class CmaReduce:
         into a peer exactly as a read of it (ptrace access mode ATTACH for both), while a
         seccomp filter may allow one call and not the other; and nothing may be written
         into a peer that could have left the call."""
-        probe = np.zeros(1, np.uint8)
+        probe, target = np.zeros(1, np.uint8), np.zeros(1, np.uint8)
         ok = all(mod.cma_read(probe, self._pids[r], addrs[r]) == 0 for r in self._peers) \
-            and mod.cma_write(probe, os.getpid(), np.zeros(1, np.uint8).ctypes.data) == 0
+            and mod.cma_write(probe, os.getpid(), target.ctypes.data) == 0
         q = self._enter()
         self._sv(q & 1, self.rank, np.uint64)[0] = int(ok)
         self._exchange(q)

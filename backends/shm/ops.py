@@ -23,10 +23,9 @@ import ml_dtypes
 import numpy as np
 
 from collectives.buffers import SUPPORTED_DTYPES
-from collectives.errors import CollectiveError, CollectiveMismatch, PeerError
+from collectives.errors import CollectiveError, CollectiveMismatch, PeerError, add_note
 from collectives.reduce_op import ReduceOp, combine_into, finish
 
-from .pushing import PUSH_GRACE
 
 _DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(SUPPORTED_DTYPES)}
 _DTYPE_NAME = {i + 1: str(dt) for i, dt in enumerate(SUPPORTED_DTYPES)}
@@ -205,12 +204,12 @@ class CollectiveOps:
                     self._u64[i] = OP_FAILED | (self._fp0 & ~0xF)
                 self._mark(sg.STATE_FAILED)
             except Exception:  # noqa: BLE001 - report the original error
-                return
+                pass
             writing = self._await_pushers()
             if writing:
-                exc.add_note(f"[rank {self.rank}] ranks {writing} were still writing into "
-                             f"this call's memory {PUSH_GRACE:g} s after this error; "
-                             f"they stop before their next piece")
+                add_note(exc, f"[rank {self.rank}] ranks {writing} were still writing into "
+                              f"this call's memory {self.timeout:g} s after this error "
+                              f"(stopped in the middle of a piece?)")
 
     def _piece_elems(self, itemsize: int) -> int:
         """Elements of one of the n pieces of a slot (64-byte aligned)."""

@@ -16,11 +16,14 @@ So every such write is fenced against the target's exit, as a Dekker lock:
   quarter-MiB block at a time; :meth:`PushGuard._push_into` on the Python path);
 - a rank leaving with an error stores its failed state (``ops._fail``), then loads every
   peer's ``W_PUSHING`` and waits while a live one names it
-  (:meth:`PushGuard._await_pushers`), at most :data:`PUSH_GRACE` seconds.
+  (:meth:`PushGuard._await_pushers`).
 
 With a full fence between each side's store and load, at least one of the two sees the
 other's store: the writer skips the write (and raises PeerError naming the failed
-rank), or the leaving rank waits for it to end.
+rank), or the leaving rank waits for it to end. A piece takes microseconds, so that wait
+is bounded by the group's timeout like every other: a peer stopped in the middle of a
+piece for longer than that (a debugger, SIGSTOP) may still finish it after this rank
+raised, and the error's note names it. Nothing else is written after the call returned.
 """
 
 from __future__ import annotations
@@ -33,24 +36,20 @@ from collectives.errors import CollectiveError
 
 from . import segment as sg
 
-#: Seconds a rank leaving a call with an error waits for a peer to finish the piece it is
-#: writing into this rank's memory (microseconds unless that peer is descheduled).
-PUSH_GRACE = 1.0
-
 
 class PushGuard:
     """Mixed into ShmGroup: both sides of the fence above."""
 
     def _await_pushers(self) -> list:
         """After this rank marked itself failed: wait until no live peer is in the middle
-        of a write into this rank's memory, at most :data:`PUSH_GRACE` seconds; the
-        ranks still writing then (empty almost always)."""
+        of a write into this rank's memory, at most the group's timeout; the ranks still
+        writing then (empty unless one is stopped)."""
         u64 = self._u64
         if u64 is None or self.size == 1:
             return []
         self._bells.fence()
         lay, mine = self._layout, self.rank + 1
-        deadline = time.monotonic() + PUSH_GRACE
+        deadline = time.monotonic() + self.timeout
         while True:
             writing = [r for r in self._peers
                        if u64[lay.ctrl_word(r, sg.W_PUSHING)] == mine and not self._dead(r)]
@@ -71,9 +70,9 @@ class PushGuard:
         r's exit (the Python path's ``push_begin``/``push_end``): PeerError naming r,
         and nothing written, where r has failed or closed."""
         u64, word = self._u64, self._layout.ctrl_word(self.rank, sg.W_PUSHING)
-        u64[word] = r + 1
-        self._bells.fence()
         try:
+            u64[word] = r + 1
+            self._bells.fence()
             self._check_peer(r, self._op_name, self._op_seq, check_pid=False)
             np.copyto(view, values)
         finally:

@@ -33,7 +33,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ..algorithms.links import COLLECTIVE_TAG_BIT
-from ..errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, PeerError, where
+from ..errors import (CollectiveError, CollectiveMismatch, CollectiveTimeout, PeerError,
+                      add_note, where)
 from ..group import ProcessGroup, timeout_seconds
 from ..work import CompletedWork, Work
 
@@ -260,7 +261,7 @@ def run_threads(fn: Callable[[ProcessGroup], Any], nproc: int, *,
         t.join()
     if world.failure is not None:
         rank, exc = world.failure
-        exc.add_note(f"raised on rank {rank} of {nproc} (collectives.testing.threads)")
+        add_note(exc, f"raised on rank {rank} of {nproc} (collectives.testing.threads)")
         raise exc
     left = world.undelivered()
     if left:
