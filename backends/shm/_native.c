@@ -689,31 +689,12 @@ fail_seq:
     return -1;
 }
 
-/* out = srcs[0..k) in rank order (op), and the same `count` elements into each of
- * copies[0..c), COPY_PIECE bytes at a time; `shifted` has room for k pointers. */
-static void reduce_pieces(int code, int op, int n, char *out, char **srcs, int k,
-                          char **shifted, char **copies, Py_ssize_t c, Py_ssize_t count) {
-    int itemsize = KERNELS[code].itemsize;
-    if (c == 0) {
-        KERNELS[code].fn(out, srcs, k, count, op, n);
-        return;
-    }
-    Py_ssize_t piece = COPY_PIECE / itemsize;
-    for (Py_ssize_t lo = 0; lo < count; lo += piece) {
-        Py_ssize_t m = count - lo < piece ? count - lo : piece, off = lo * itemsize;
-        for (int i = 0; i < k; i++) shifted[i] = srcs[i] + off;
-        KERNELS[code].fn(out + off, shifted, k, m, op, n);
-        for (Py_ssize_t i = 0; i < c; i++)
-            memcpy(copies[i] + off, out + off, (size_t)(m * itemsize));
-    }
-}
-
 /* Before writing into rank r's memory (its array, its symmetric buffer), which r may
  * hand back to its caller as it leaves a call with an error: store "writing into r" in
  * this rank's W_PUSHING word, then load r's state; 0 where r has failed or closed (write
  * nothing), 1 where the write may go ahead (then call push_end after it). A rank that
  * leaves with an error stores its failed state, then loads every peer's W_PUSHING and
- * waits while one names it (ops.py's _await_pushers): one of the two sees the other. */
+ * waits while one names it (pushing.py's _await_pushers): one of the two sees the other. */
 static int push_begin(Group *g, int r) {
     atomic_store_explicit(word(g, g->rank, W_PUSHING), (uint64_t)r + 1, memory_order_seq_cst);
     uint64_t state = atomic_load_explicit(word(g, r, W_STATE), memory_order_seq_cst);
@@ -728,30 +709,39 @@ static void push_end(Group *g) {
     atomic_store_explicit(word(g, g->rank, W_PUSHING), 0, memory_order_release);
 }
 
-/* reduce_pieces where the copies are the peers' memory, in rank order without this rank
- * (copy i is rank i + (i >= rank)): every piece's copy fenced by push_begin/push_end.
- * 0, or -1 where a peer had failed or closed (nothing more is written then). */
-static int reduce_pieces_into_peers(Group *g, int code, int op, char *out, char **srcs,
-                                    int k, char **shifted, char **copies, Py_ssize_t c,
-                                    Py_ssize_t count) {
+/* out = srcs[0..k) in rank order (op), and the same `count` elements into each of
+ * copies[0..c), COPY_PIECE bytes at a time; `shifted` has room for k pointers. With
+ * `peers` (not NULL) the copies are the memory of that group's other ranks, in rank
+ * order (copy i is rank i + (i >= rank)), and each piece's copy is fenced by
+ * push_begin/push_end. 0, or -1 where a peer had failed or closed (nothing more is
+ * written then). */
+static int reduce_pieces(int code, int op, int n, char *out, char **srcs, int k,
+                         char **shifted, char **copies, Py_ssize_t c, Py_ssize_t count,
+                         Group *peers) {
     int itemsize = KERNELS[code].itemsize;
+    if (c == 0) {
+        KERNELS[code].fn(out, srcs, k, count, op, n);
+        return 0;
+    }
     Py_ssize_t piece = COPY_PIECE / itemsize;
     for (Py_ssize_t lo = 0; lo < count; lo += piece) {
         Py_ssize_t m = count - lo < piece ? count - lo : piece, off = lo * itemsize;
         for (int i = 0; i < k; i++) shifted[i] = srcs[i] + off;
-        KERNELS[code].fn(out + off, shifted, k, m, op, g->size);
+        KERNELS[code].fn(out + off, shifted, k, m, op, n);
         for (Py_ssize_t i = 0; i < c; i++) {
-            if (!push_begin(g, (int)i + (i >= g->rank))) return -1;
+            if (peers && !push_begin(peers, (int)i + (i >= peers->rank))) return -1;
             memcpy(copies[i] + off, out + off, (size_t)(m * itemsize));
-            push_end(g);
+            if (peers) push_end(peers);
         }
     }
     return 0;
 }
 
-static void reduction_run(Reduction *R, int code, int op, int n) {
-    reduce_pieces(code, op, n, R->out.buf, R->ptrs, (int)R->k, R->ptrs + R->k,
-                  R->ptrs + 2 * R->k, R->c, R->out.len / KERNELS[code].itemsize);
+/* reduce_pieces over R's arrays (peers: as there). */
+static int reduction_run(Reduction *R, int code, int op, int n, Group *peers) {
+    return reduce_pieces(code, op, n, R->out.buf, R->ptrs, (int)R->k, R->ptrs + R->k,
+                         R->ptrs + 2 * R->k, R->c, R->out.len / KERNELS[code].itemsize,
+                         peers);
 }
 
 /* The one-phase all_reduce/reduce of `len` bytes at `a`: unless `published`, copy them
@@ -935,9 +925,7 @@ static PyObject *G_sym_all_reduce(Group *g, PyObject *const *args, Py_ssize_t na
                                 "one per peer expected", R.c);
         }
         Py_BEGIN_ALLOW_THREADS
-        pushed = reduce_pieces_into_peers(g, code, op, R.out.buf, R.ptrs, (int)R.k,
-                                          R.ptrs + R.k, R.ptrs + 2 * R.k, R.c,
-                                          R.out.len / KERNELS[code].itemsize);
+        pushed = reduction_run(&R, code, op, g->size, g);
         Py_END_ALLOW_THREADS
         reduction_release(&R);
         if (pushed < 0) return Py_BuildValue("(ii)", CANCELED, 1);   /* q + 1 not published */
@@ -1048,7 +1036,7 @@ static PyObject *G_pipelined(Group *g, PyObject *const *args, Py_ssize_t nargs) 
                     srcs[r] = r == me ? mine : slot(g, bank ^ 1, r) + k0 * itemsize;
                 copies[0] = published;
                 reduce_pieces(code, op, n, result ? mine : published, srcs, n, shifted,
-                              copies, result ? 1 : 0, k1 - k0);
+                              copies, result ? 1 : 0, k1 - k0, NULL);
             }
         }
         if (j >= 2 && result)                      /* 3. copy out chunk j - 2 */
@@ -1407,7 +1395,7 @@ static PyObject *m_combine(PyObject *mod, PyObject *const *args, Py_ssize_t narg
     if (reduction_get(&R, args[0], args[1], nargs == 6 ? args[5] : Py_None, "combine") < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-    reduction_run(&R, code, op, n);
+    reduction_run(&R, code, op, n, NULL);
     Py_END_ALLOW_THREADS
     reduction_release(&R);
     Py_RETURN_NONE;

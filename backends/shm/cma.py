@@ -194,8 +194,7 @@ class CmaReduce:
         if setting == "1":
             return cma_min_bytes(self.size)
         # The process's line is for two ranks; more ranks move it up as they do the
-        # lowest one (cma_min_bytes): at 4 ranks on 2 cores staging kept 4 MiB at
-        # 1.80-1.83 ms against 1.86-1.90 read in place where 2 ranks gained 16% there.
+        # lowest one (cma_min_bytes; measured at CMA_ALL_REDUCE_BYTES).
         return cma_from_bytes(self._native_module) * max(1, self.size // 2)
 
     def _cma_all_reduce(self, a: np.ndarray, op: ReduceOp, seq: int) -> bool:
@@ -204,23 +203,16 @@ class CmaReduce:
 
         From the moment this rank publishes the address of ``a``, peers may write into
         it (the reduced pieces they own), so this rank leaves only when none does any
-        more: by the last phase (every rank finished), or, on an error, once it has
-        marked itself failed (a peer checks that before every block it writes) and the
-        peers in the middle of a block finished it (``pushing.py``)."""
+        more: by the last phase (every rank finished), or, on an error, through the
+        caller's ``_fail`` (every caller has one), which marks it failed (a peer checks
+        that before every block it writes) and waits for a block in flight
+        (``pushing.py``)."""
+        n, me = self.size, self.rank
         self._start(OP_ALL_REDUCE, seq, a.dtype, a.nbytes, -1, op)
         q = self._enter()
-        words = self._sv(q & 1, self.rank, np.uint64)
+        words = self._sv(q & 1, me, np.uint64)
         words[0] = a.ctypes.data
         words[1] = self._cma_line()
-        try:
-            return self._cma_all_reduce_published(a, op, q)
-        except BaseException as exc:
-            self._fail(exc)   # (no peer writes into `a` once this returns: pushing.py)
-            raise
-
-    def _cma_all_reduce_published(self, a: np.ndarray, op: ReduceOp, q: int) -> bool:
-        """``_cma_all_reduce`` from phase 1 (its words written) on."""
-        n, me = self.size, self.rank
         self._exchange(q)
         published = [self._sv(q & 1, r, np.uint64) for r in range(n)]
         addrs = [int(w[0]) for w in published]
