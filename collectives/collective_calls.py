@@ -78,6 +78,15 @@ class CollectiveCalls:
         Both ranks: ``t = np.full(2, pg.rank + 1.0); pg.reduce(t, dst=0)`` -> rank 0 holds
         ``[3., 3.]``, rank 1 still ``[2., 2.]``.
         """
+        if (self._fast and not async_op and not self._pending and op is not None
+                and type(dst) is int and 0 <= dst < self.size):   # (collectives.fast_path)
+            found = self._host_views.lookup(tensor)
+            if found is not None and id(op) in found[2]:
+                if self._closed:
+                    raise CollectiveError(f"{self._where('reduce')}: the group is closed")
+                self._run_numbered("reduce", self._reduce, (found[0], dst, op), found[1],
+                                   found[3], dst, op)
+                return None
         w = self._where("reduce")
         self._check_tensor(tensor, "tensor", w)
         dst = self._check_rank(dst, "dst", w)
@@ -94,6 +103,13 @@ class CollectiveCalls:
         Both ranks: ``out = np.empty(4); pg.all_gather(out, np.full(2, pg.rank * 1.0))`` ->
         ``[0, 0, 1, 1]``.
         """
+        if self._fast and not async_op and not self._pending:   # (collectives.fast_path)
+            pair = self._fast_pair("all_gather", output, input, None)
+            if pair is not None:
+                (out, *_), (inp, shape, _, dtype) = pair
+                self._run_numbered("all_gather", self._all_gather, (out, inp), shape, dtype,
+                                   -1, None)
+                return None
         w = self._where("all_gather")
         self._check_tensor(output, "output", w)
         self._check_tensor(input, "input", w)
@@ -115,6 +131,9 @@ class CollectiveCalls:
         Rank 0: ``pg.gather(np.zeros(2), out := np.empty(4), dst=0)``; rank 1:
         ``pg.gather(np.ones(2), None, dst=0)`` -> rank 0's out is ``[0, 0, 1, 1]``.
         """
+        if (self._fast and not async_op and not self._pending
+                and self._fast_rooted("gather", self._gather, input, output, dst)):
+            return None   # (collectives.fast_path)
         w = self._where("gather")
         self._check_tensor(input, "input", w)
         dst = self._check_rank(dst, "dst", w)
@@ -145,6 +164,9 @@ class CollectiveCalls:
         Rank 0: ``pg.scatter(out := np.empty(2), np.arange(4.0), src=0)``; rank 1:
         ``pg.scatter(out := np.empty(2), None, src=0)`` -> ``[0, 1]`` and ``[2, 3]``.
         """
+        if (self._fast and not async_op and not self._pending
+                and self._fast_rooted("scatter", self._scatter, output, input, src)):
+            return None   # (collectives.fast_path)
         w = self._where("scatter")
         self._check_tensor(output, "output", w)
         src = self._check_rank(src, "src", w)
@@ -171,6 +193,14 @@ class CollectiveCalls:
         Both ranks: ``pg.reduce_scatter(out := np.empty(1), np.array([1.0, 2.0]))`` ->
         rank 0 ``[2.]``, rank 1 ``[4.]``.
         """
+        if (self._fast and not async_op and not self._pending
+                and op is not None):   # (collectives.fast_path)
+            pair = self._fast_pair("reduce_scatter", input, output, op)
+            if pair is not None:
+                (inp, *_), (out, shape, _, dtype) = pair
+                self._run_numbered("reduce_scatter", self._reduce_scatter, (out, inp, op),
+                                   shape, dtype, -1, op)
+                return None
         w = self._where("reduce_scatter")
         self._check_tensor(output, "output", w)
         self._check_tensor(input, "input", w)
@@ -195,6 +225,10 @@ class CollectiveCalls:
         Both ranks: ``pg.all_to_all(out := np.empty(2), np.array([10.0 * pg.rank, 10.0 * pg.rank + 1]))``
         -> rank 0 ``[0., 10.]``, rank 1 ``[1., 11.]``.
         """
+        if (self._fast and not async_op and not self._pending and output_split_sizes is None
+                and input_split_sizes is None
+                and self._fast_even_all_to_all(output, input)):   # (collectives.fast_path)
+            return None
         w = self._where("all_to_all")
         self._check_tensor(output, "output", w)
         self._check_tensor(input, "input", w)

@@ -1,7 +1,10 @@
 """The base class's fast path (mixed into :class:`~collectives.group.ProcessGroup`): a
 blocking collective on a contiguous CPU tensor or array, checked, numbered, recorded and
-handed to its hook in about a microsecond; and a blocking ``send``/``recv``, checked,
-recorded and handed to the backend's ``_send_now``/``_recv_now`` (:mod:`collectives.hooks`).
+handed to its hook in about a microsecond; the same for the two-array collectives
+(``all_gather``, ``gather``, ``scatter``, ``reduce_scatter``: ``_fast_pair`` and
+``_fast_rooted`` check both arrays), ``all_to_all`` in equal parts and ``reduce``; and a blocking ``send``/``recv``,
+checked, recorded and handed to the backend's ``_send_now``/``_recv_now``
+(:mod:`collectives.hooks`).
 
 The general path (:mod:`collectives.collective_calls`, :mod:`collectives.running`) checks
 every argument, builds a :class:`~collectives.buffers.HostBuffer`, a closure and a flight
@@ -196,6 +199,79 @@ class FastPath:
             self._fast_failed((seq, op, shape, dtype, root, reduce_op, -1, t0), exc)
             raise
         recorder.append((seq, op, shape, dtype, root, reduce_op, -1, t0, _time(), "ok"))
+
+    def _fast_pair(self, op: str, big: Any, small: Any, reduce_op: Any) -> Optional[tuple]:
+        """The two arrays of a blocking all_gather, gather, scatter or reduce_scatter
+        when the path applies: ``(big, small)``, each ``HostViews.lookup``'s tuple, where
+        both are contiguous, writable CPU memory of one dtype, ``big`` holds group size x
+        ``small``'s elements and ``reduce_op`` (None where the op does not reduce) is
+        valid for the dtype; None leaves the call to the general path, which raises
+        whatever error applies. Raises at once on a closed group (naming ``op``). (An input that may not
+        be written, a read-only array, takes the general path too.)
+
+        Two ranks: ``pg.all_gather(out := np.empty(4), np.ones(2))`` finds
+        ``(out, input)`` here and runs ``_all_gather`` under ``_run_numbered``."""
+        views = self._host_views
+        found_big = views.lookup(big)
+        if found_big is None:
+            return None
+        found_small = views.lookup(small)
+        if (found_small is None or found_small[3] is not found_big[3]
+                or found_big[0].size != self.size * found_small[0].size
+                or (reduce_op is not None and id(reduce_op) not in found_big[2])):
+            return None
+        if self._closed:
+            raise CollectiveError(f"{self._where(op)}: the group is closed")
+        return found_big, found_small
+
+    def _fast_rooted(self, op: str, hook: Callable[..., Any], small: Any, big: Any,
+                     root: Any) -> bool:
+        """A blocking gather (``small``: the input; ``big``: the root's output) or
+        scatter (``small``: the output; ``big``: the root's input): when the path
+        applies (``_fast_pair`` at the root, ``small`` alone elsewhere, where ``big`` is
+        ignored as the general path ignores it), ``hook(small, big or None, root, seq)``
+        under ``_run_numbered``, and True; False leaves the call to the general path."""
+        if not (type(root) is int and 0 <= root < self.size):
+            return False
+        if self.rank == root:
+            pair = None if big is None else self._fast_pair(op, big, small, None)
+            if pair is None:
+                return False
+            found, flat_big = pair[1], pair[0][0]
+        else:
+            found, flat_big = self._host_views.lookup(small), None
+            if found is None:
+                return False
+            if self._closed:
+                raise CollectiveError(f"{self._where(op)}: the group is closed")
+        self._run_numbered(op, hook, (found[0], flat_big, root), found[1], found[3], root,
+                           None)
+        return True
+
+    def _fast_even_all_to_all(self, output: Any, input: Any) -> bool:
+        """A blocking all_to_all in equal parts (no split sizes): when both arrays take
+        the path, share a dtype and have rows along dim 0 in a multiple of the group
+        size, ``_all_to_all(out, inp, out_counts, in_counts, seq)`` under
+        ``_run_numbered`` with the counts the general path computes, and True; False
+        leaves the call to the general path (and its errors)."""
+        views = self._host_views
+        found_out = views.lookup(output)
+        if found_out is None:
+            return False
+        found_in = views.lookup(input)
+        n = self.size
+        if found_in is None or found_in[3] is not found_out[3]:
+            return False
+        out_shape, in_shape = found_out[1], found_in[1]
+        if not out_shape or not in_shape or out_shape[0] % n or in_shape[0] % n:
+            return False
+        if self._closed:
+            raise CollectiveError(f"{self._where('all_to_all')}: the group is closed")
+        out, inp = found_out[0], found_in[0]
+        self._run_numbered("all_to_all", self._all_to_all,
+                           (out, inp, [out.size // n] * n, [inp.size // n] * n), None,
+                           found_in[3], -1, None)
+        return True
 
     def _fast_p2p(self, op: str, hook: Callable[[np.ndarray, int, int], None],
                   tensor: Any, peer: Any, tag: Any) -> bool:

@@ -448,6 +448,79 @@ def test_fast_path_records_and_keeps_the_argument_errors(tmp_path, monkeypatch):
     bad.close()
 
 
+def test_fast_path_takes_the_two_array_collectives_and_leaves_bad_pairs_to_the_general_path(
+        tmp_path, monkeypatch):
+    """all_gather, gather, scatter, reduce_scatter and reduce on contiguous memory go
+    straight to their hooks, recorded as the general path records them; a pair whose
+    dtypes or sizes disagree, or a reduction the dtype lacks, gets the general path's
+    typed error, and a closed group the fast path's own."""
+    monkeypatch.setenv("COLLECTIVES_FLIGHT_DIR", str(tmp_path))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from base_overhead import NoOpGroup
+
+    hooked = []
+
+    class Pairs(NoOpGroup):
+        def _all_gather(self, out, inp, seq):
+            hooked.append(("all_gather", out.shape, inp.shape, seq))
+
+        def _gather(self, inp, out, dst, seq):
+            hooked.append(("gather", out.shape, inp.shape, seq))
+
+        def _scatter(self, out, inp, src, seq):
+            hooked.append(("scatter", out.shape, inp.shape, seq))
+
+        def _reduce_scatter(self, out, inp, op, seq):
+            hooked.append(("reduce_scatter", out.shape, inp.shape, seq))
+
+        def _reduce(self, a, dst, op, seq):
+            hooked.append(("reduce", a.shape, op, seq))
+
+        def _all_to_all(self, out, inp, out_counts, in_counts, seq):
+            hooked.append(("all_to_all", out_counts, in_counts, seq))
+
+    pg = Pairs()
+    general = []
+    real = pg._dispatch_collective
+    pg._dispatch_collective = lambda op, *a, **k: (general.append(op), real(op, *a, **k))[1]
+    t = torch.ones(2, 3)
+    pg.all_gather(torch.empty(2, 3), t)
+    pg.gather(np.ones(4, np.int8), np.empty(4, np.int8), dst=0)
+    pg.scatter(np.empty(4), np.ones(4), src=0)
+    pg.reduce_scatter(torch.empty(6), t, ReduceOp.MAX)
+    pg.reduce(t, dst=0, op=ReduceOp.AVG)
+    pg.all_to_all(np.empty((3, 2), np.int16), np.ones(6, np.int16))
+    assert general == []
+    assert hooked == [("all_gather", (6,), (6,), 0), ("gather", (4,), (4,), 1),
+                      ("scatter", (4,), (4,), 2), ("reduce_scatter", (6,), (6,), 3),
+                      ("reduce", (6,), ReduceOp.AVG, 4), ("all_to_all", [6], [6], 5)]
+    assert [(d["op"], d["shape"], d["dtype"], d["root"], d["state"])
+            for d in pg._recorder.records()] == [
+        ("all_gather", [2, 3], "float32", -1, "ok"), ("gather", [4], "int8", 0, "ok"),
+        ("scatter", [4], "float64", 0, "ok"), ("reduce_scatter", [6], "float32", -1, "ok"),
+        ("reduce", [2, 3], "float32", 0, "ok"), ("all_to_all", None, "int16", -1, "ok")]
+    pg.all_to_all(np.empty(4, np.int16), np.ones(4, np.int16), input_split_sizes=[4],
+                  output_split_sizes=[4])   # (split sizes: the general path)
+    assert general == ["all_to_all"] and hooked[-1] == ("all_to_all", [4], [4], 6)
+    general.clear()
+    with pytest.raises(TypeError, match=r"all_gather: .*dtype"):
+        pg.all_gather(np.empty(6, np.float64), np.ones(6, np.float32))
+    with pytest.raises(ValueError, match=r"reduce_scatter: `input` has 6 elements, expected"):
+        pg.reduce_scatter(np.empty(5, np.float32), np.ones(6, np.float32))
+    with pytest.raises(ValueError, match="AVG is not defined on integer"):
+        pg.reduce_scatter(np.empty(2, np.int32), np.ones(2, np.int32), ReduceOp.AVG)
+    with pytest.raises(ValueError, match=r"gather: argument `output` must be given"):
+        pg.gather(np.ones(2), None, dst=0)
+    with pytest.raises(TypeError, match=r"all_to_all: .*dtype"):
+        pg.all_to_all(np.empty(2, np.float64), np.ones(2, np.float32))
+    assert len(hooked) == 7   # (the general path's checks raised before any hook)
+    pg.close()
+    with pytest.raises(CollectiveError, match=r"all_gather: the group is closed"):
+        pg.all_gather(np.empty(2), np.ones(2))
+    with pytest.raises(CollectiveError, match=r"scatter: the group is closed"):
+        pg.scatter(np.empty(2), np.ones(2), src=0)
+
+
 def test_fast_path_hands_hooks_plain_arrays_only():
     """An object that only claims to be an ndarray (``weakref.proxy`` forwards
     ``__class__``) takes the general path, which hands the hook a real array."""
