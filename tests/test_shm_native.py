@@ -248,6 +248,35 @@ def _both_paths_job() -> dict:
             if not all(_same(h, halves[0]) for h in halves[1:]):
                 out["bad"].append(f"reduce_scatter {name} {op.name} n={x.size}")
     out["digest"] = [results[0].tobytes().hex()[:32]]
+    # The gather and scatter families and all_to_all (one phase: the core's small_move
+    # or all_to_all on a native rank, ops.py on a Python one; 40,000 elements take
+    # several 64 KiB phases).
+    for name in FLOATS + INTS:
+        dt = _dtype(name)
+        for n in (1, 33, 40_000):
+            mine = np.arange(n).astype(dt) + np.asarray(10 * me).astype(dt)
+            every = np.concatenate([np.arange(n).astype(dt) + np.asarray(10 * r).astype(dt)
+                                    for r in (0, 1)])
+            for g in (pg, python, mixed):
+                got = np.empty(2 * n, dt)
+                g.all_gather(got, mine)
+                b = mine.copy()
+                g.broadcast(b, src=1)
+                part = np.empty(n, dt)
+                g.scatter(part, every if me == 0 else None, src=0)
+                at_root = np.zeros(2 * n, dt) if me == 1 else None
+                g.gather(mine, at_root, dst=1)
+                swapped = np.empty(2 * n, dt)   # part k of rank j's input: its own, turned k times
+                g.all_to_all(swapped, np.concatenate([mine, mine[::-1]]))
+                turned = [every[j * n:(j + 1) * n] for j in (0, 1)]
+                if me:
+                    turned = [t[::-1] for t in turned]
+                if not (_same(got, every) and _same(b, every[n:])
+                        and _same(part, every[me * n:(me + 1) * n])
+                        and (me == 0 or _same(at_root, every))
+                        and _same(swapped, np.concatenate(turned))):
+                    out["bad"].append(f"gather/scatter family {name} n={n} on the group with "
+                                      f"native={g.native}")
     # Point to point between every pair of paths: tags out of order (a message set
     # aside as unexpected), one larger than the ring (streamed by the Python engine),
     # and the reply, whose receive is usually posted before the message comes.
@@ -499,6 +528,89 @@ def test_the_one_phase_all_reduce_is_one_call_of_the_core(nproc):
         assert res["pending"] == (True, 1), res
         assert res["phase"] == 1 and res["after_close"], res
         assert res["counters_agree"] == [True] * 6, res
+
+
+def _small_moves_job() -> dict:
+    """The gather and scatter families' one-phase messages: each one call of the core
+    (small_move; ops.py's phase loops, counted, never run), also when a rank comes later
+    than the core waits (Python waits the phase out, the core finishes it), and a
+    mismatch raises on every rank, naming the other call."""
+    from backends.shm.ops import CollectiveOps
+    pg = collectives.init_process_group()
+    me, n = pg.rank, pg.size
+    python_calls = []
+    originals = {}
+    for name in ("_broadcast_impl", "_gather_impl", "_scatter_impl", "_all_to_all_impl",
+                 "_all_to_all_rest"):
+        originals[name] = getattr(CollectiveOps, name)
+
+        def counted(self, *args, _name=name):
+            python_calls.append(_name)
+            return originals[_name](self, *args)
+        setattr(CollectiveOps, name, counted)
+    mine = np.arange(6, dtype=np.float32) + 10 * me
+    every = np.concatenate([np.arange(6, dtype=np.float32) + 10 * r for r in range(n)])
+    sums = sum(every[r * 6:(r + 1) * 6] for r in range(n))
+
+    def round_(late: int) -> list:
+        if me == late:
+            time.sleep(0.25)   # past the core's 0.1 s wait: _settle resumes it
+        got, b, part = np.empty(6 * n, np.float32), mine.copy(), np.empty(6, np.float32)
+        pg.all_gather(got, mine)
+        pg.broadcast(b, src=n - 1)
+        pg.scatter(part, every if me == 0 else None, src=0)
+        at_root = np.zeros(6 * n, np.float32) if me == 1 else None
+        pg.gather(mine, at_root, dst=1)
+        whole = np.concatenate([mine] * n)
+        out = np.empty(6, np.float32)
+        pg.reduce_scatter(out, whole)
+        swapped = np.empty(6 * n, np.float32)   # rank j sends rank k its `mine` + k
+        pg.all_to_all(swapped, np.concatenate([mine + k for k in range(n)]))
+        return [bool(np.array_equal(got, every)), bool(np.array_equal(b, every[-6:])),
+                bool(np.array_equal(part, every[me * 6:(me + 1) * 6])),
+                me != 1 or bool(np.array_equal(at_root, every)),
+                bool(np.array_equal(out, sums)), bool(np.array_equal(swapped, every + me))]
+
+    try:
+        res = {"hot": round_(-1), "late": round_(n - 1), "native": pg.native}
+        res["python_calls"] = list(python_calls)
+        spare = pg.new_group(list(range(n)))
+        try:   # rank 0 expects 2 elements from rank 1, which sends it 1
+            counts = [1 + (k == 1 and me == 0) for k in range(n)]
+            spare.all_to_all(np.empty(sum(counts), np.float32), np.zeros(n, np.float32),
+                          output_split_sizes=counts, input_split_sizes=[1] * n)
+            res["counts"] = "no error"
+        except (collectives.CollectiveMismatch, collectives.PeerError) as exc:
+            res["counts"] = f"{type(exc).__name__}: {exc}"
+        spare.close()
+        try:
+            pg.all_gather(np.empty(n * (3 + me), np.float32), np.zeros(3 + me, np.float32))
+            res["mismatch"] = "no error"
+        except (collectives.CollectiveMismatch, collectives.PeerError) as exc:
+            # (a rank that reads the first one's failure mark before the mismatch
+            # raises PeerError instead)
+            res["mismatch"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        for name, fn in originals.items():
+            setattr(CollectiveOps, name, fn)
+        pg.close()
+    return res
+
+
+@needs_core
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_the_gather_and_scatter_families_move_in_one_call_of_the_core(nproc):
+    results = collectives.spawn(_small_moves_job, nproc, backend="shm", timeout=30,
+                                join_timeout=120)
+    for res in results:
+        assert res["native"] and res["python_calls"] == [], res
+        assert res["hot"] == [True] * 6 and res["late"] == [True] * 6, res
+        assert "all_to_all" in res["counts"] and "all_gather" in res["mismatch"], res
+    assert any(res["mismatch"].startswith("CollectiveMismatch") and "called" in res["mismatch"]
+               for res in results), results
+    assert any(res["counts"].startswith("CollectiveMismatch")
+               and "rank 1 sends 1 elements to rank 0, but rank 0 expects 2" in res["counts"]
+               for res in results), results
 
 
 # --------------------------------------------------------------------------- build

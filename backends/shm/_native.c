@@ -58,6 +58,7 @@
 #define STATE_CLOSED 3
 
 enum { DONE = 1, BUDGET = 0, PEER = 2, MISMATCH = 3 };
+#define DECLINED 4   /* done, but not by this call: see sym_all_reduce and all_to_all */
 enum { R_SUM = 1, R_AVG = 2, R_PROD = 3, R_MIN = 4, R_MAX = 5 };
 /* ops._DTYPE_CODE: 1 + the index in collectives.buffers.SUPPORTED_DTYPES. */
 enum { T_F16 = 1, T_BF16, T_F32, T_F64, T_I8, T_U8, T_I16, T_I32, T_I64, T_BOOL };
@@ -805,6 +806,231 @@ static PyObject *G_small_reduce(Group *g, PyObject *const *args, Py_ssize_t narg
     return status < 0 ? PyErr_NoMemory() : PyLong_FromLong(status);
 }
 
+/* The one-phase moves of the gather and scatter families, each a whole collective whose
+ * message fits a slot (ops.py's Python path, in one call). `m` bytes are one rank's part.
+ *   M_GATHER:  every rank publishes `inp` (m bytes); a rank given `out` (n x m) copies
+ *              slot r into part r (all_gather everywhere, gather at the root).
+ *   M_BROADCAST: the root publishes `inp`; every other rank copies its slot into `out`.
+ *   M_SCATTER: the root publishes `inp` (n x m); rank k copies part k of its slot.
+ *   M_REDUCE_SCATTER: every rank publishes `inp` (n x m); rank k reduces part k of every
+ *              slot in rank order into `out` (m bytes), as reduce_scatter's Python path.
+ * The slots are laid out as in the Python path, so a wait resumed there (published) and
+ * any error read the same words. */
+enum { M_GATHER = 0, M_BROADCAST = 1, M_SCATTER = 2, M_REDUCE_SCATTER = 3 };
+
+static int move_phase(Group *g, int kind, const Py_buffer *inp, const Py_buffer *out,
+                      Py_ssize_t m, int root, int code, int op, uint64_t q, uint64_t fp0,
+                      uint64_t fp1, double budget, int published) {
+    int bank = (int)(q & 1), n = g->size, me = g->rank;
+    if (!published) {
+        if (inp) memcpy(slot(g, bank, me), inp->buf, (size_t)inp->len);
+        store_fp(g, q, fp0, fp1);
+        arrive(g, q);
+    }
+    int status = wait_phase(g, q, budget);
+    if (status == DONE && !fingerprints_match(g, q, fp0, fp1)) status = MISMATCH;
+    if (status != DONE || out == NULL || m == 0) return status;
+    char *dst = out->buf;
+    int release = out->len > 16384;
+    PyThreadState *ts = release ? PyEval_SaveThread() : NULL;
+    if (kind == M_GATHER) {
+        for (int r = 0; r < n; r++) memcpy(dst + r * m, slot(g, bank, r), (size_t)m);
+    } else if (kind == M_BROADCAST) {
+        memcpy(dst, slot(g, bank, root), (size_t)m);
+    } else if (kind == M_SCATTER) {
+        memcpy(dst, slot(g, bank, root) + (Py_ssize_t)me * m, (size_t)m);
+    } else {
+        char *stack[64], **srcs = stack;
+        if (n > 64 && !(srcs = PyMem_RawMalloc(sizeof(char *) * (size_t)n))) {
+            if (ts) PyEval_RestoreThread(ts);
+            return -1;
+        }
+        for (int r = 0; r < n; r++) srcs[r] = slot(g, bank, r) + (Py_ssize_t)me * m;
+        KERNELS[code].fn(dst, srcs, n, m / KERNELS[code].itemsize, op, n);
+        if (srcs != stack) PyMem_RawFree(srcs);
+    }
+    if (ts) PyEval_RestoreThread(ts);
+    return status;
+}
+
+/* small_move(kind, inp, out, q, fp0, fp1, root, dtype, op, budget, published) -> status
+ * as exchange: move_phase for ops.py's hooks. `inp` is None where this rank publishes
+ * nothing (broadcast and scatter off the root), `out` where it receives nothing (gather
+ * off the root, broadcast at the root); `dtype` and `op` are read for M_REDUCE_SCATTER. */
+static PyObject *G_small_move(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t q, fp0, fp1;
+    int kind, root, code, op, published;
+    double budget;
+    Py_buffer in_view, out_view, *inp = NULL, *out = NULL;
+    NARGS("small_move", 11);
+    if (arg_int(args[0], &kind) < 0 || arg_u64(args[3], &q) < 0
+        || arg_u64(args[4], &fp0) < 0 || arg_u64(args[5], &fp1) < 0
+        || arg_int(args[6], &root) < 0 || arg_int(args[7], &code) < 0
+        || arg_int(args[8], &op) < 0 || arg_double(args[9], &budget) < 0
+        || (published = PyObject_IsTrue(args[10])) < 0)
+        return NULL;
+    if (kind < M_GATHER || kind > M_REDUCE_SCATTER || root < -1 || root >= g->size)
+        return PyErr_Format(PyExc_ValueError, "shm native small_move: kind %d, root %d",
+                            kind, root);
+    if (kind == M_REDUCE_SCATTER && check_kernel(code, op) < 0) return NULL;
+    if (args[1] != Py_None) {
+        if (get_array(args[1], &in_view, 0, "small_move") < 0) return NULL;
+        inp = &in_view;
+    }
+    if (args[2] != Py_None) {
+        if (get_array(args[2], &out_view, 1, "small_move") < 0) {
+            if (inp) PyBuffer_Release(inp);
+            return NULL;
+        }
+        out = &out_view;
+    }
+    /* One rank's part, and the sizes every kind implies (the caller checked them; a
+     * wrong size here would read or write past a slot or an array). */
+    Py_ssize_t n = g->size, m = -1;
+    int ok = 1;
+    if (kind == M_GATHER) {
+        m = inp ? inp->len : -1;
+        ok = inp && (!out || out->len == n * m);
+    } else if (kind == M_BROADCAST) {
+        m = inp ? inp->len : (out ? out->len : -1);
+        ok = (inp != NULL) != (out != NULL);
+    } else {
+        m = out ? out->len : -1;
+        ok = out && (!inp || inp->len == n * m);
+        if (kind == M_REDUCE_SCATTER)
+            ok = ok && inp && m % KERNELS[code].itemsize == 0;
+    }
+    if (!ok || (inp && inp->len > g->chunk)) {
+        if (inp) PyBuffer_Release(inp);
+        if (out) PyBuffer_Release(out);
+        return PyErr_Format(PyExc_ValueError, "shm native small_move: kind %d with %zd "
+                            "input and %zd output bytes (a slot holds %zd)", kind,
+                            inp ? inp->len : (Py_ssize_t)-1,
+                            out ? out->len : (Py_ssize_t)-1, g->chunk);
+    }
+    int status = move_phase(g, kind, inp, out, m, root, code, op, q, fp0, fp1, budget,
+                            published);
+    if (inp) PyBuffer_Release(inp);
+    if (out) PyBuffer_Release(out);
+    return status < 0 ? PyErr_NoMemory() : PyLong_FromLong(status);
+}
+
+/* The all_to_all's first phase (ops.py's _all_to_all_impl, word for word): each rank's
+ * slot holds its 2n counts (int64: what it sends to each rank, then what it expects from
+ * each) and, from byte `head` on, its whole input where it fits the rest of the slot.
+ * a2a_take, once the phase is done: DONE with this rank's parts copied into `out`;
+ * DECLINED (nothing copied) where the counts disagree or some rank's input did not fit,
+ * and Python goes on from the counts (it raises, or runs further phases); -1 where `out`
+ * does not hold what this rank expects (a bug of the caller's). */
+static int a2a_take(Group *g, uint64_t q, char *out, Py_ssize_t out_len, Py_ssize_t head,
+                    int itemsize) {
+    int bank = (int)(q & 1), n = g->size, me = g->rank;
+    Py_ssize_t room = (g->chunk - head) / itemsize, total = 0;
+    for (int j = 0; j < n; j++) {
+        const int64_t *row = (const int64_t *)slot(g, bank, j);
+        int64_t sent = 0;
+        for (int k = 0; k < n; k++) {
+            if (row[k] < 0 || row[k] != ((const int64_t *)slot(g, bank, k))[n + j])
+                return DECLINED;
+            sent += row[k];
+            if (sent > room) return DECLINED;
+        }
+    }
+    const int64_t *mine = (const int64_t *)slot(g, bank, me);
+    for (int r = 0; r < n; r++) total += mine[n + r];
+    if (total * itemsize != out_len) return -1;
+    Py_ssize_t at_out = 0;
+    for (int r = 0; r < n; r++) {
+        const int64_t *row = (const int64_t *)slot(g, bank, r);
+        Py_ssize_t at = 0, c = mine[n + r];
+        for (int k = 0; k < me; k++) at += row[k];
+        memcpy(out + at_out * itemsize, slot(g, bank, r) + head + at * itemsize,
+               (size_t)(c * itemsize));
+        at_out += c;
+    }
+    return DONE;
+}
+
+static int a2a_args(Group *g, Py_ssize_t head, int itemsize) {
+    if (itemsize < 1 || itemsize > 16 || head < 16 * (Py_ssize_t)g->size || head % 64
+        || head > g->chunk) {
+        PyErr_Format(PyExc_ValueError, "shm native all_to_all: head %zd, itemsize %d",
+                     head, itemsize);
+        return -1;
+    }
+    return 0;
+}
+
+/* all_to_all(inp, out, counts, q, fp0, fp1, head, itemsize, budget) -> status: publish
+ * phase q (the 2n `counts`, then `inp` at `head` if it fits), wait at most `budget`
+ * seconds, check the fingerprints and a2a_take. BUDGET or PEER: Python waits the phase
+ * out (exchange, published) and calls all_to_all_take. */
+static PyObject *G_all_to_all(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t q, fp0, fp1;
+    Py_ssize_t head;
+    int itemsize;
+    double budget;
+    Py_buffer inp, out;
+    NARGS("all_to_all", 9);
+    if (arg_u64(args[3], &q) < 0 || arg_u64(args[4], &fp0) < 0 || arg_u64(args[5], &fp1) < 0
+        || (head = PyLong_AsSsize_t(args[6])) == -1 || arg_int(args[7], &itemsize) < 0
+        || arg_double(args[8], &budget) < 0)
+        return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "all_to_all: head");
+    if (a2a_args(g, head, itemsize) < 0) return NULL;
+    if (!PyList_Check(args[2]) || PyList_GET_SIZE(args[2]) != 2 * (Py_ssize_t)g->size)
+        return PyErr_Format(PyExc_TypeError, "shm native all_to_all: a list of %d counts "
+                            "expected", 2 * g->size);
+    if (get_array(args[0], &inp, 0, "all_to_all") < 0) return NULL;
+    if (get_array(args[1], &out, 1, "all_to_all") < 0) {
+        PyBuffer_Release(&inp);
+        return NULL;
+    }
+    int bank = (int)(q & 1);
+    int64_t *hdr = (int64_t *)slot(g, bank, g->rank);
+    for (Py_ssize_t i = 0; i < 2 * (Py_ssize_t)g->size; i++) {
+        long long c = PyLong_AsLongLong(PyList_GET_ITEM(args[2], i));
+        if (c == -1 && PyErr_Occurred()) {
+            PyBuffer_Release(&inp);
+            PyBuffer_Release(&out);
+            return NULL;
+        }
+        hdr[i] = (int64_t)c;
+    }
+    if (inp.len <= g->chunk - head) memcpy(slot(g, bank, g->rank) + head, inp.buf, (size_t)inp.len);
+    store_fp(g, q, fp0, fp1);
+    arrive(g, q);
+    int status = wait_phase(g, q, budget);
+    if (status == DONE && !fingerprints_match(g, q, fp0, fp1)) status = MISMATCH;
+    if (status == DONE) status = a2a_take(g, q, out.buf, out.len, head, itemsize);
+    PyBuffer_Release(&inp);
+    PyBuffer_Release(&out);
+    if (status < 0)
+        return PyErr_Format(PyExc_ValueError, "shm native all_to_all: the output does not "
+                            "hold what this rank expects");
+    return PyLong_FromLong(status);
+}
+
+/* all_to_all_take(out, q, head, itemsize) -> DONE or DECLINED: a2a_take once phase q is
+ * done (its fingerprints checked by exchange). */
+static PyObject *G_all_to_all_take(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t q;
+    Py_ssize_t head;
+    int itemsize;
+    Py_buffer out;
+    NARGS("all_to_all_take", 4);
+    if (arg_u64(args[1], &q) < 0 || (head = PyLong_AsSsize_t(args[2])) == -1
+        || arg_int(args[3], &itemsize) < 0)
+        return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "all_to_all: head");
+    if (a2a_args(g, head, itemsize) < 0) return NULL;
+    if (get_array(args[0], &out, 1, "all_to_all_take") < 0) return NULL;
+    int status = a2a_take(g, q, out.buf, out.len, head, itemsize);
+    PyBuffer_Release(&out);
+    if (status < 0)
+        return PyErr_Format(PyExc_ValueError, "shm native all_to_all: the output does not "
+                            "hold what this rank expects");
+    return PyLong_FromLong(status);
+}
+
 /* The ReduceOp members by code (1..5) and numpy dtype -> code, set once by native.py
  * (bind_codes): small_all_reduce tells its arguments by them without Python. */
 static PyObject *REDUCE_OPS[R_MAX + 1];
@@ -883,7 +1109,6 @@ static PyObject *m_bind_codes(PyObject *mod, PyObject *const *args, Py_ssize_t n
  * BUDGET or PEER say which phase is still awaited: Python waits it out (exchange with
  * `published`) and, for phase 0, calls again with `resume`; CANCELED: a peer had failed
  * before this rank's push into it. */
-#define DECLINED 4
 /* A peer had failed or closed before this rank's write into it (push_begin): nothing
  * was written there, this rank published nothing more, and Python names the peer. */
 #define CANCELED 6
@@ -974,8 +1199,9 @@ static void copy_out_chunk(Group *g, char *a, int bank, Py_ssize_t total, Py_ssi
  * native.py refuses a stale build (LAYOUT) instead of failing inside a collective. 2:
  * Group.cma_reduce (writing the reduced piece into the peers, fenced by W_PUSHING)
  * replaces the module's, and cma_write. 3: sym_all_reduce's pushes fenced alike (its
- * CANCELED status). */
-#define CORE_REVISION 3
+ * CANCELED status). 4: small_move (the gather and scatter families' one-phase moves)
+ * and all_to_all / all_to_all_take (its first phase). */
+#define CORE_REVISION 4
 
 /* The pipelined reduce's largest piece (reduce.py's PIECE_MAX_BYTES, checked at load):
  * a phase's copies and reduction then stay within a core's L2 (see reduce.py). */
@@ -1307,6 +1533,15 @@ static PyMethodDef Group_methods[] = {
     {"small_reduce", (PyCFunction)(void (*)(void))G_small_reduce, METH_FASTCALL,
      "small_reduce(a, q, fp0, fp1, dtype, op, result, budget, published) -> status as "
      "exchange."},
+    {"small_move", (PyCFunction)(void (*)(void))G_small_move, METH_FASTCALL,
+     "small_move(kind, inp, out, q, fp0, fp1, root, dtype, op, budget, published) -> "
+     "status as exchange: a one-phase gather (0), broadcast (1), scatter (2) or "
+     "reduce_scatter (3)."},
+    {"all_to_all", (PyCFunction)(void (*)(void))G_all_to_all, METH_FASTCALL,
+     "all_to_all(inp, out, counts, q, fp0, fp1, head, itemsize, budget) -> status as "
+     "exchange, or 4 (DECLINED): the phase is done and Python goes on from the counts."},
+    {"all_to_all_take", (PyCFunction)(void (*)(void))G_all_to_all_take, METH_FASTCALL,
+     "all_to_all_take(out, q, head, itemsize) -> 1 (copied) or 4 (DECLINED)."},
     {"sym_all_reduce", (PyCFunction)(void (*)(void))G_sym_all_reduce, METH_FASTCALL,
      "sym_all_reduce(piece, sources, copies, q, vote_fp0, fp0, fp1, vote0, vote1, dtype, "
      "op, budget, resume) -> (status, phase): the symmetric all_reduce in one call."},
@@ -1592,6 +1827,10 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyModule_AddIntConstant(m, "DECLINED", DECLINED);
     PyModule_AddIntConstant(m, "NOT_TAKEN", NOT_TAKEN);
     PyModule_AddIntConstant(m, "CANCELED", CANCELED);
+    PyModule_AddIntConstant(m, "MOVE_GATHER", M_GATHER);
+    PyModule_AddIntConstant(m, "MOVE_BROADCAST", M_BROADCAST);
+    PyModule_AddIntConstant(m, "MOVE_SCATTER", M_SCATTER);
+    PyModule_AddIntConstant(m, "MOVE_REDUCE_SCATTER", M_REDUCE_SCATTER);
     PyModule_AddIntConstant(m, "OP_ALL_REDUCE", OP_ALL_REDUCE_CODE);
     return m;
 }

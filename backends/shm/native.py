@@ -43,7 +43,7 @@ OVERSUBSCRIBED_WAIT_US = (1, 50)
 
 #: The revision of the core's calls this package makes (``CORE_REVISION`` in _native.c,
 #: the last entry of its ``LAYOUT``): a build of another revision is refused at load.
-CORE_REVISION = 3
+CORE_REVISION = 4
 
 _module: Optional[ModuleType] = None
 _load_error: Optional[str] = None

@@ -31,7 +31,9 @@ from . import segment as sg
 from .channels import RecvOp
 from .cma import CMA_ENV, cma_from_bytes
 from .native import NativeDoorbells, native_module, wait_policy
-from .ops import _DTYPE_CODE, _REDOP_BY_ID, OP_ALL_REDUCE, fingerprint
+from .ops import (_DTYPE_CODE, _OP_NAMES, _REDOP_BY_ID, OP_ALL_GATHER, OP_ALL_REDUCE,
+                  OP_ALL_TO_ALL, OP_BROADCAST, OP_GATHER, OP_REDUCE_SCATTER, OP_SCATTER,
+                  CollectiveOps, fingerprint)
 from .reduce import ReduceOps
 
 #: Longest single C wait: the deadline and the peers' pids are checked in between.
@@ -41,14 +43,20 @@ _SLICE = 0.2
 
 
 class NativePaths:
-    """The native ``_exchange``, ``_small_reduce``, ``_pipelined_reduce`` and
-    ``_p2p_wait`` (bound on the instance by ``_use_native``) and ``_all_reduce`` (by
-    ``ShmGroup.__init__``: ``_all_reduce_hook``)."""
+    """The native ``_exchange``, ``_small_reduce``, ``_pipelined_reduce``, ``_p2p_wait``
+    and the gather and scatter families' hooks (``_broadcast``, ``_all_gather``,
+    ``_gather``, ``_scatter``, ``_reduce_scatter``: bound on the instance by
+    ``_use_native``) and ``_all_reduce`` (by ``ShmGroup.__init__``:
+    ``_all_reduce_hook``)."""
 
     _native = None   # the core's Group for this rank, or None on the Python path
     _native_combine = None   # the core's rank-order reduction (GIL released), or None
 
     _py_phase = 0   # the phase counter on the Python path (see _phase)
+
+    #: The dtype codes the core reduces (every supported dtype but bool, which no
+    #: reduction accepts: the base class refuses it before any hook).
+    _reducible_codes = frozenset(code for dt, code in _DTYPE_CODE.items() if dt != np.bool_)
 
     @property
     def _phase(self) -> int:
@@ -100,6 +108,10 @@ class NativePaths:
         self._p2p_wait = self._p2p_wait_native
         self._native_combine = mod.combine
         self._native_module = mod
+        for name in ("_broadcast", "_all_gather", "_gather", "_scatter", "_reduce_scatter",
+                     "_all_to_all"):
+            if getattr(type(self), name) is getattr(CollectiveOps, name):  # (a subclass's own stays)
+                setattr(self, name, getattr(self, name + "_native"))
 
     # ---------------------------------------------------------------- waiting
     def _exchange_native(self, q: int) -> None:
@@ -192,6 +204,109 @@ class NativePaths:
                     f"not send it", op=what, missing=[peer])
         if op.error is not None:
             raise op.error
+
+    # ------------------------------------------- the gather and scatter families
+    # A message that fits one slot is one phase, moved by one call of the core
+    # (``small_move``): the slots, fingerprints and phase of ``ops``' Python path, without
+    # its Python. Anything larger, and a broken or closed group (whose error the Python
+    # path raises), goes the Python way.
+    def _broadcast_native(self, a: np.ndarray, src: int, seq: int) -> None:
+        if a.nbytes > self._S or self._broken is not None or self._seg is None:
+            return CollectiveOps._broadcast(self, a, src, seq)
+        mine = self.rank == src
+        self._small_move(self._native_module.MOVE_BROADCAST, OP_BROADCAST,
+                         a if mine else None, None if mine else a, src, None, a.nbytes, seq)
+
+    def _all_gather_native(self, out: np.ndarray, inp: np.ndarray, seq: int) -> None:
+        if inp.nbytes > self._S or self._broken is not None or self._seg is None:
+            return CollectiveOps._all_gather(self, out, inp, seq)
+        self._small_move(self._native_module.MOVE_GATHER, OP_ALL_GATHER, inp, out, -1, None,
+                         inp.nbytes, seq)
+
+    def _gather_native(self, inp: np.ndarray, out: Optional[np.ndarray], dst: int,
+                       seq: int) -> None:
+        if inp.nbytes > self._S or self._broken is not None or self._seg is None:
+            return CollectiveOps._gather(self, inp, out, dst, seq)
+        self._small_move(self._native_module.MOVE_GATHER, OP_GATHER, inp,
+                         out if self.rank == dst else None, dst, None, inp.nbytes, seq)
+
+    def _scatter_native(self, out: np.ndarray, inp: Optional[np.ndarray], src: int,
+                        seq: int) -> None:
+        if self.size * out.nbytes > self._S or self._broken is not None or self._seg is None:
+            return CollectiveOps._scatter(self, out, inp, src, seq)
+        self._small_move(self._native_module.MOVE_SCATTER, OP_SCATTER,
+                         inp if self.rank == src else None, out, src, None, out.nbytes, seq)
+
+    def _reduce_scatter_native(self, out: np.ndarray, inp: np.ndarray, op: ReduceOp,
+                               seq: int) -> None:
+        if (inp.nbytes > self._S or self._broken is not None or self._seg is None
+                or _DTYPE_CODE.get(out.dtype, 0) not in self._reducible_codes):
+            return CollectiveOps._reduce_scatter(self, out, inp, op, seq)
+        self._small_move(self._native_module.MOVE_REDUCE_SCATTER, OP_REDUCE_SCATTER, inp, out,
+                         -1, op, out.nbytes, seq)
+
+    def _all_to_all_native(self, out: np.ndarray, inp: np.ndarray, out_counts, in_counts,
+                           seq: int) -> None:
+        """``ops``' all_to_all with its first phase in one call of the core (the counts,
+        the input where it fits behind them, the wait, the check, the copies): the
+        whole call where every rank's input fits; else Python goes on from the counts
+        (``_all_to_all_rest``: the mismatch error, or the further phases)."""
+        if self._broken is not None or self._seg is None:
+            return CollectiveOps._all_to_all(self, out, inp, out_counts, in_counts, seq)
+        self._op_name, self._op_seq = "all_to_all", seq
+        fp0 = self._fp0 = fingerprint(OP_ALL_TO_ALL, 0, _DTYPE_CODE.get(out.dtype, 0), -1,
+                                      seq)
+        self._fp1 = 0
+        out_counts, in_counts = list(out_counts), list(in_counts)
+        head, itemsize = self._a2a_head_bytes(), out.itemsize
+        core = self._native
+        try:
+            q = core.phase = core.phase + 1
+            budget = 0.0 if self._engine.pending else self._wait_budget
+            status = core.all_to_all(inp, out, in_counts + out_counts, q, fp0, 0, head,
+                                     itemsize, budget)
+            if status == self._DONE:
+                return
+            if status != self._MISMATCH and status != self._DECLINED:
+                status = self._settle(q, lambda b: core.exchange(q, fp0, 0, b, True), status)
+                if status == self._DONE:
+                    status = core.all_to_all_take(out, q, head, itemsize)
+            if status == self._MISMATCH:
+                self._mismatch(q)
+            if status != self._DONE:   # DECLINED: the counts disagree, or more phases
+                self._all_to_all_rest(out, inp, out_counts, in_counts, seq, q & 1)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
+    def _small_move(self, kind: int, opcode: int, inp: Optional[np.ndarray],
+                    out: Optional[np.ndarray], root: int, op: Optional[ReduceOp],
+                    nbytes: int, seq: int) -> None:
+        """One phase of the core's ``small_move``: what ``ops``' ``_start`` sets for the
+        errors, the next phase, the call, and its wait resumed in Python (``_settle``)
+        where it outlasts the core's budget; any failure breaks the group (``_guard``)."""
+        self._op_name, self._op_seq = _OP_NAMES[opcode], seq
+        code = _DTYPE_CODE.get((out if inp is None else inp).dtype, 0)
+        redop = 0 if op is None else _REDOP_BY_ID[id(op)]
+        # fingerprint(opcode, redop, code, root, seq), inline: a call is a tenth of this
+        fp0 = self._fp0 = (opcode | (redop << 4) | (code << 8) | (((root + 1) & 0xFFFF) << 16)
+                           | ((seq & 0xFFFFFFFF) << 32))
+        self._fp1 = nbytes
+        core = self._native
+        try:
+            q = core.phase = core.phase + 1   # (the _phase property, without its frame)
+            budget = 0.0 if self._engine.pending else self._wait_budget
+            status = core.small_move(kind, inp, out, q, fp0, nbytes, root, code, redop,
+                                     budget, False)
+            if status != self._DONE:
+                if status != self._MISMATCH:
+                    status = self._settle(q, lambda b: core.small_move(
+                        kind, inp, out, q, fp0, nbytes, root, code, redop, b, True), status)
+                if status == self._MISMATCH:
+                    self._mismatch(q)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
 
     # ----------------------------------------------------------------- reduce
     def _all_reduce_hook(self) -> Callable[[np.ndarray, ReduceOp, int], None]:

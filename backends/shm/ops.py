@@ -17,6 +17,7 @@ every other implementation of the library.
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Optional, Sequence
 
 import ml_dtypes
@@ -57,6 +58,7 @@ _REDOP_NAME = {v: k.name for k, v in _REDOP_CODE.items()}
 _REDOP_BY_ID = {id(k): v for k, v in _REDOP_CODE.items()}  # Enum.__hash__ is Python code
 
 _ALIGN = 64
+_INT64 = np.dtype(np.int64)
 
 
 def piece_bounds(count: int, n: int, itemsize: int) -> list[tuple[int, int]]:
@@ -362,36 +364,62 @@ class CollectiveOps:
         n, me, dt = self.size, self.rank, out.dtype
         self._start(OP_ALL_TO_ALL, seq, dt, 0)
         # Phase 1: everybody's counts, so that all agree on the data phases and check
-        # that what j sends to k is what k expects from j.
+        # that what j sends to k is what k expects from j; behind them, at `head`
+        # elements, the whole input where it fits the rest of the slot. Where every
+        # rank's did (the counts say so alike on every rank), this phase is the call.
         q = self._enter()
         b = q & 1
-        self._sv(b, me, np.dtype(np.int64))[:2 * n] = in_counts + out_counts
+        self._sv(b, me, _INT64)[:2 * n] = in_counts + out_counts
+        head = self._a2a_head_bytes() // out.itemsize
+        if inp.size <= self._S // out.itemsize - head:
+            self._sv(b, me, dt)[head:head + inp.size] = inp
         self._exchange(q)
-        M = np.stack([self._sv(b, r, np.dtype(np.int64))[:2 * n] for r in range(n)])
-        sends, expects = M[:, :n], M[:, n:].T   # sends[j, k]; expects[j, k] by k from j
-        if not np.array_equal(sends, expects):
-            j, k = (int(x) for x in np.argwhere(sends != expects)[0])
-            raise CollectiveMismatch(
-                f"{self._where('all_to_all')} (seq {seq}): rank {j} sends "
-                f"{int(sends[j, k])} elements to rank {k}, but rank {k} expects "
-                f"{int(expects[j, k])} from rank {j} (input/output split sizes disagree)")
-        in_off = np.concatenate([[0], np.cumsum(in_counts)]).tolist()
-        out_off = np.concatenate([[0], np.cumsum(out_counts)]).tolist()
-        E = self._S // out.itemsize
-        if int(sends.sum(axis=1).max()) <= E:
-            # One phase: every rank's whole input fits in its slot.
-            q = self._enter()
-            b = q & 1
-            self._sv(b, me, dt)[:inp.size] = inp
-            self._exchange(q)
+        self._all_to_all_rest(out, inp, out_counts, in_counts, seq, b)
+
+    def _a2a_head_bytes(self) -> int:
+        """Where the input starts in the all_to_all's first slot: after the 2n counts."""
+        return (16 * self.size + _ALIGN - 1) // _ALIGN * _ALIGN
+
+    def _all_to_all_rest(self, out: np.ndarray, inp: np.ndarray, out_counts: list,
+                         in_counts: list, seq: int, b: int) -> None:
+        """The all_to_all once its first phase (in bank ``b``) is done: check the counts
+        (CollectiveMismatch where they disagree), then copy out what came with them, or
+        run one more phase (every input fits a slot) or rounds of pieces."""
+        n, me, dt = self.size, self.rank, out.dtype
+        head = self._a2a_head_bytes() // out.itemsize
+        room = self._S // out.itemsize - head
+        # Python lists, not numpy: for the few ranks of a host, each numpy call here
+        # costs more than the whole comparison (a 2-rank all_to_all of 8 bytes spent
+        # most of its 57 us in them).
+        rows = [self._sv(b, r, _INT64)[:2 * n].tolist() for r in range(n)]
+        for j in range(n):   # rows[j][k]: j sends to k; rows[k][n + j]: k expects from j
+            for k in range(n):
+                if rows[j][k] != rows[k][n + j]:
+                    raise CollectiveMismatch(
+                        f"{self._where('all_to_all')} (seq {seq}): rank {j} sends "
+                        f"{rows[j][k]} elements to rank {k}, but rank {k} expects "
+                        f"{rows[k][n + j]} from rank {j} (input/output split sizes "
+                        f"disagree)")
+        in_off = list(accumulate(in_counts, initial=0))
+        out_off = list(accumulate(out_counts, initial=0))
+        widest = max(sum(row[:n]) for row in rows)
+        if widest <= self._S // out.itemsize:
+            if widest > room:
+                # One more phase: every rank's whole input fits in its slot.
+                q = self._enter()
+                b = q & 1
+                self._sv(b, me, dt)[:inp.size] = inp
+                self._exchange(q)
+                head = 0
+            # (else every input came with the counts, behind them)
             for r in range(n):
                 c = out_counts[r]
                 if c:
-                    at = int(sends[r, :me].sum())
+                    at = head + sum(rows[r][:me])
                     out[out_off[r]:out_off[r] + c] = self._sv(b, r, dt)[at:at + c]
             return
         P = self._piece_elems(out.itemsize)
-        rounds = (int(sends.max()) + P - 1) // P
+        rounds = (max(max(row[:n]) for row in rows) + P - 1) // P
         for t in range(rounds):
             lo = t * P
             q = self._enter()

@@ -1,7 +1,9 @@
-"""The shm backend's persistent collectives: the path a round takes (the one-phase small
-reduce or the large one, single-copy or pipelined; the gather or scatter phases) is picked once, at the
+"""The shm backend's persistent collectives: the path an all_reduce round takes (the
+one-phase small reduce or the large one, single-copy or pipelined) is picked once, at the
 request's init, over flat arrays made once, and each round calls the group's phase
-functions directly. See :mod:`collectives.persistent` for the contract.
+functions directly; all_gather and reduce_scatter rounds call the group's hooks, bound
+once (on the core, one call of it for a message that fits a slot). See
+:mod:`collectives.persistent` for the contract.
 
 Two ranks::
 
@@ -59,12 +61,12 @@ def persistent_call(group: Any, op: str, arrays: Sequence[np.ndarray],
                 finish(reduce_op, out, 1)
             return copy_finish
         return lambda seq: np.copyto(out, inp)
-    guard = group._guard
+    # The group's hooks, bound now: on the core a message that fits one slot is one
+    # call of it (``small_move``), a larger one the phase loops of ``ops``.
     if op == "all_gather":
-        impl = getattr(group, "_gather_impl", None)
-        return None if impl is None else (lambda seq: guard(impl, inp, out, None, seq))
+        gather = group._all_gather
+        return lambda seq: gather(out, inp, seq)
     if op == "reduce_scatter":
-        impl = getattr(group, "_scatter_impl", None)
-        return None if impl is None else (
-            lambda seq: guard(impl, out, inp, -1, reduce_op, seq))
+        scatter = group._reduce_scatter
+        return lambda seq: scatter(out, inp, reduce_op, seq)
     return None
