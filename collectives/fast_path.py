@@ -2,9 +2,9 @@
 blocking collective on a contiguous CPU tensor or array, checked, numbered, recorded and
 handed to its hook in about a microsecond; the same for the two-array collectives
 (``all_gather``, ``gather``, ``scatter``, ``reduce_scatter``: ``_fast_pair`` and
-``_fast_rooted`` check both arrays), ``all_to_all`` in equal parts and ``reduce``; and a blocking ``send``/``recv``,
-checked, recorded and handed to the backend's ``_send_now``/``_recv_now``
-(:mod:`collectives.hooks`).
+``_fast_rooted`` check both arrays), ``all_to_all`` in equal parts and ``reduce``; and
+a blocking ``send``/``recv``, checked, recorded and handed to the backend's
+``_send_now``/``_recv_now`` (:mod:`collectives.hooks`).
 
 The general path (:mod:`collectives.collective_calls`, :mod:`collectives.running`) checks
 every argument, builds a :class:`~collectives.buffers.HostBuffer`, a closure and a flight
@@ -206,8 +206,8 @@ class FastPath:
         both are contiguous, writable CPU memory of one dtype, ``big`` holds group size x
         ``small``'s elements and ``reduce_op`` (None where the op does not reduce) is
         valid for the dtype; None leaves the call to the general path, which raises
-        whatever error applies. Raises at once on a closed group (naming ``op``). (An input that may not
-        be written, a read-only array, takes the general path too.)
+        whatever error applies. Raises at once on a closed group (naming ``op``). (An
+        input that may not be written, a read-only array, takes the general path too.)
 
         Two ranks: ``pg.all_gather(out := np.empty(4), np.ones(2))`` finds
         ``(out, input)`` here and runs ``_all_gather`` under ``_run_numbered``."""

@@ -450,10 +450,12 @@ def test_fast_path_records_and_keeps_the_argument_errors(tmp_path, monkeypatch):
 
 def test_fast_path_takes_the_two_array_collectives_and_leaves_bad_pairs_to_the_general_path(
         tmp_path, monkeypatch):
-    """all_gather, gather, scatter, reduce_scatter and reduce on contiguous memory go
-    straight to their hooks, recorded as the general path records them; a pair whose
-    dtypes or sizes disagree, or a reduction the dtype lacks, gets the general path's
-    typed error, and a closed group the fast path's own."""
+    """all_gather, gather, scatter, reduce_scatter, reduce and all_to_all on contiguous
+    memory go straight to their hooks, recorded as the general path records them; a pair
+    whose dtypes or sizes disagree, or a reduction the dtype lacks, gets the general
+    path's typed error, and a closed group the fast path's own. (A world of one: that
+    the path is taken at two and three ranks is tests/test_shm_native.py's
+    _small_moves_job.)"""
     monkeypatch.setenv("COLLECTIVES_FLIGHT_DIR", str(tmp_path))
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from base_overhead import NoOpGroup
@@ -502,7 +504,14 @@ def test_fast_path_takes_the_two_array_collectives_and_leaves_bad_pairs_to_the_g
     pg.all_to_all(np.empty(4, np.int16), np.ones(4, np.int16), input_split_sizes=[4],
                   output_split_sizes=[4])   # (split sizes: the general path)
     assert general == ["all_to_all"] and hooked[-1] == ("all_to_all", [4], [4], 6)
+    read_only = np.ones(2, np.float32)
+    read_only.flags.writeable = False
+    pg.all_gather(np.empty(2, np.float32), read_only)     # (an input may be read-only)
+    pg.gather(np.ones(2), np.empty(2), dst=np.int64(0))   # (a numpy root)
+    assert general == ["all_to_all", "all_gather", "gather"] and len(hooked) == 9
     general.clear()
+    with pytest.raises(ValueError, match=r"scatter: argument `input` must be given"):
+        pg.scatter(np.empty(2), None, src=0)
     with pytest.raises(TypeError, match=r"all_gather: .*dtype"):
         pg.all_gather(np.empty(6, np.float64), np.ones(6, np.float32))
     with pytest.raises(ValueError, match=r"reduce_scatter: `input` has 6 elements, expected"):
@@ -513,7 +522,7 @@ def test_fast_path_takes_the_two_array_collectives_and_leaves_bad_pairs_to_the_g
         pg.gather(np.ones(2), None, dst=0)
     with pytest.raises(TypeError, match=r"all_to_all: .*dtype"):
         pg.all_to_all(np.empty(2, np.float64), np.ones(2, np.float32))
-    assert len(hooked) == 7   # (the general path's checks raised before any hook)
+    assert len(hooked) == 9   # (the general path's checks raised before any hook)
     pg.close()
     with pytest.raises(CollectiveError, match=r"all_gather: the group is closed"):
         pg.all_gather(np.empty(2), np.ones(2))

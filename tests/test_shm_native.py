@@ -249,11 +249,13 @@ def _both_paths_job() -> dict:
                 out["bad"].append(f"reduce_scatter {name} {op.name} n={x.size}")
     out["digest"] = [results[0].tobytes().hex()[:32]]
     # The gather and scatter families and all_to_all (one phase: the core's small_move
-    # or all_to_all on a native rank, ops.py on a Python one; 40,000 elements take
-    # several 64 KiB phases).
+    # or all_to_all on a native rank, ops.py on a Python one; 40,000 elements of 2 bytes
+    # or more take several 64 KiB phases; 32,760 int8s the all_to_all's second phase:
+    # its 65,520 bytes fit a slot but not behind the counts). Each root in turn.
     for name in FLOATS + INTS:
         dt = _dtype(name)
-        for n in (1, 33, 40_000):
+        for n in (1, 33, 32_760, 40_000):
+            root = (n + len(name)) % 2
             mine = np.arange(n).astype(dt) + np.asarray(10 * me).astype(dt)
             every = np.concatenate([np.arange(n).astype(dt) + np.asarray(10 * r).astype(dt)
                                     for r in (0, 1)])
@@ -261,19 +263,19 @@ def _both_paths_job() -> dict:
                 got = np.empty(2 * n, dt)
                 g.all_gather(got, mine)
                 b = mine.copy()
-                g.broadcast(b, src=1)
+                g.broadcast(b, src=root)
                 part = np.empty(n, dt)
-                g.scatter(part, every if me == 0 else None, src=0)
-                at_root = np.zeros(2 * n, dt) if me == 1 else None
-                g.gather(mine, at_root, dst=1)
+                g.scatter(part, every if me == 1 - root else None, src=1 - root)
+                at_root = np.zeros(2 * n, dt) if me == root else None
+                g.gather(mine, at_root, dst=root)
                 swapped = np.empty(2 * n, dt)   # part k of rank j's input: its own, turned k times
                 g.all_to_all(swapped, np.concatenate([mine, mine[::-1]]))
                 turned = [every[j * n:(j + 1) * n] for j in (0, 1)]
                 if me:
                     turned = [t[::-1] for t in turned]
-                if not (_same(got, every) and _same(b, every[n:])
+                if not (_same(got, every) and _same(b, every[root * n:(root + 1) * n])
                         and _same(part, every[me * n:(me + 1) * n])
-                        and (me == 0 or _same(at_root, every))
+                        and (me != root or _same(at_root, every))
                         and _same(swapped, np.concatenate(turned))):
                     out["bad"].append(f"gather/scatter family {name} n={n} on the group with "
                                       f"native={g.native}")
@@ -531,10 +533,11 @@ def test_the_one_phase_all_reduce_is_one_call_of_the_core(nproc):
 
 
 def _small_moves_job() -> dict:
-    """The gather and scatter families' one-phase messages: each one call of the core
-    (small_move; ops.py's phase loops, counted, never run), also when a rank comes later
-    than the core waits (Python waits the phase out, the core finishes it), and a
-    mismatch raises on every rank, naming the other call."""
+    """The gather and scatter families' one-phase messages and a small all_to_all: each
+    straight from the base class's fast path (its general path, counted, never taken)
+    into one call of the core (ops.py's phase loops, counted, never run), also when a
+    rank comes later than the core waits before each call (Python waits the phase out,
+    the core finishes it), and a mismatch raises on every rank, naming the other call."""
     from backends.shm.ops import CollectiveOps
     pg = collectives.init_process_group()
     me, n = pg.rank, pg.size
@@ -548,23 +551,34 @@ def _small_moves_job() -> dict:
             python_calls.append(_name)
             return originals[_name](self, *args)
         setattr(CollectiveOps, name, counted)
+    general = []
+    real_dispatch = pg._dispatch_collective
+    pg._dispatch_collective = lambda op, *a, **k: (general.append(op),
+                                                   real_dispatch(op, *a, **k))[1]
     mine = np.arange(6, dtype=np.float32) + 10 * me
     every = np.concatenate([np.arange(6, dtype=np.float32) + 10 * r for r in range(n)])
     sums = sum(every[r * 6:(r + 1) * 6] for r in range(n))
 
     def round_(late: int) -> list:
-        if me == late:
-            time.sleep(0.25)   # past the core's 0.1 s wait: _settle resumes it
+        def wait() -> None:   # past the core's 0.1 s wait: _settle resumes the call
+            if me == late:
+                time.sleep(0.25)
         got, b, part = np.empty(6 * n, np.float32), mine.copy(), np.empty(6, np.float32)
+        wait()
         pg.all_gather(got, mine)
+        wait()
         pg.broadcast(b, src=n - 1)
+        wait()
         pg.scatter(part, every if me == 0 else None, src=0)
         at_root = np.zeros(6 * n, np.float32) if me == 1 else None
+        wait()
         pg.gather(mine, at_root, dst=1)
         whole = np.concatenate([mine] * n)
         out = np.empty(6, np.float32)
+        wait()
         pg.reduce_scatter(out, whole)
         swapped = np.empty(6 * n, np.float32)   # rank j sends rank k its `mine` + k
+        wait()
         pg.all_to_all(swapped, np.concatenate([mine + k for k in range(n)]))
         return [bool(np.array_equal(got, every)), bool(np.array_equal(b, every[-6:])),
                 bool(np.array_equal(part, every[me * 6:(me + 1) * 6])),
@@ -574,6 +588,7 @@ def _small_moves_job() -> dict:
     try:
         res = {"hot": round_(-1), "late": round_(n - 1), "native": pg.native}
         res["python_calls"] = list(python_calls)
+        res["general"] = list(general)
         spare = pg.new_group(list(range(n)))
         try:   # rank 0 expects 2 elements from rank 1, which sends it 1
             counts = [1 + (k == 1 and me == 0) for k in range(n)]
@@ -603,7 +618,7 @@ def test_the_gather_and_scatter_families_move_in_one_call_of_the_core(nproc):
     results = collectives.spawn(_small_moves_job, nproc, backend="shm", timeout=30,
                                 join_timeout=120)
     for res in results:
-        assert res["native"] and res["python_calls"] == [], res
+        assert res["native"] and res["python_calls"] == [] and res["general"] == [], res
         assert res["hot"] == [True] * 6 and res["late"] == [True] * 6, res
         assert "all_to_all" in res["counts"] and "all_gather" in res["mismatch"], res
     assert any(res["mismatch"].startswith("CollectiveMismatch") and "called" in res["mismatch"]

@@ -869,7 +869,8 @@ static PyObject *G_small_move(Group *g, PyObject *const *args, Py_ssize_t nargs)
         || arg_int(args[8], &op) < 0 || arg_double(args[9], &budget) < 0
         || (published = PyObject_IsTrue(args[10])) < 0)
         return NULL;
-    if (kind < M_GATHER || kind > M_REDUCE_SCATTER || root < -1 || root >= g->size)
+    if (kind < M_GATHER || kind > M_REDUCE_SCATTER || root < -1 || root >= g->size
+        || ((kind == M_BROADCAST || kind == M_SCATTER) && root < 0))
         return PyErr_Format(PyExc_ValueError, "shm native small_move: kind %d, root %d",
                             kind, root);
     if (kind == M_REDUCE_SCATTER && check_kernel(code, op) < 0) return NULL;
@@ -900,7 +901,10 @@ static PyObject *G_small_move(Group *g, PyObject *const *args, Py_ssize_t nargs)
         if (kind == M_REDUCE_SCATTER)
             ok = ok && inp && m % KERNELS[code].itemsize == 0;
     }
-    if (!ok || (inp && inp->len > g->chunk)) {
+    /* every byte read from or written to a slot lies in it: a rank's part (m), or n of
+     * them where a slot holds the whole input (scatter, reduce_scatter) */
+    Py_ssize_t in_slot = (kind == M_SCATTER || kind == M_REDUCE_SCATTER) ? n * m : m;
+    if (!ok || m < 0 || in_slot > g->chunk || (inp && inp->len > g->chunk)) {
         if (inp) PyBuffer_Release(inp);
         if (out) PyBuffer_Release(out);
         return PyErr_Format(PyExc_ValueError, "shm native small_move: kind %d with %zd "
@@ -930,16 +934,19 @@ static int a2a_take(Group *g, uint64_t q, char *out, Py_ssize_t out_len, Py_ssiz
         const int64_t *row = (const int64_t *)slot(g, bank, j);
         int64_t sent = 0;
         for (int k = 0; k < n; k++) {
-            if (row[k] < 0 || row[k] != ((const int64_t *)slot(g, bank, k))[n + j])
+            /* (compared with what is left of the room, not summed first: counts near
+             * 2^63 that a corrupt peer published must not wrap the sum) */
+            if (row[k] < 0 || row[k] > room - sent
+                || row[k] != ((const int64_t *)slot(g, bank, k))[n + j])
                 return DECLINED;
             sent += row[k];
-            if (sent > room) return DECLINED;
         }
     }
     const int64_t *mine = (const int64_t *)slot(g, bank, me);
     for (int r = 0; r < n; r++) total += mine[n + r];
     if (total * itemsize != out_len) return -1;
     Py_ssize_t at_out = 0;
+    PyThreadState *ts = out_len > 16384 ? PyEval_SaveThread() : NULL;
     for (int r = 0; r < n; r++) {
         const int64_t *row = (const int64_t *)slot(g, bank, r);
         Py_ssize_t at = 0, c = mine[n + r];
@@ -948,6 +955,7 @@ static int a2a_take(Group *g, uint64_t q, char *out, Py_ssize_t out_len, Py_ssiz
                (size_t)(c * itemsize));
         at_out += c;
     }
+    if (ts) PyEval_RestoreThread(ts);
     return DONE;
 }
 
@@ -988,8 +996,12 @@ static PyObject *G_all_to_all(Group *g, PyObject *const *args, Py_ssize_t nargs)
     int bank = (int)(q & 1);
     int64_t *hdr = (int64_t *)slot(g, bank, g->rank);
     for (Py_ssize_t i = 0; i < 2 * (Py_ssize_t)g->size; i++) {
-        long long c = PyLong_AsLongLong(PyList_GET_ITEM(args[2], i));
-        if (c == -1 && PyErr_Occurred()) {
+        PyObject *item = PyList_GET_ITEM(args[2], i);
+        long long c = PyLong_CheckExact(item) ? PyLong_AsLongLong(item) : -1;
+        if (c < 0) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "shm native all_to_all: counts must be "
+                                "non-negative ints");
             PyBuffer_Release(&inp);
             PyBuffer_Release(&out);
             return NULL;

@@ -43,10 +43,10 @@ _SLICE = 0.2
 
 
 class NativePaths:
-    """The native ``_exchange``, ``_small_reduce``, ``_pipelined_reduce``, ``_p2p_wait``
-    and the gather and scatter families' hooks (``_broadcast``, ``_all_gather``,
-    ``_gather``, ``_scatter``, ``_reduce_scatter``: bound on the instance by
-    ``_use_native``) and ``_all_reduce`` (by ``ShmGroup.__init__``:
+    """The native ``_exchange``, ``_small_reduce``, ``_pipelined_reduce``, ``_p2p_wait``,
+    the gather and scatter families' hooks (``_broadcast``, ``_all_gather``,
+    ``_gather``, ``_scatter``, ``_reduce_scatter``) and ``_all_to_all`` (bound on the
+    instance by ``_use_native``), and ``_all_reduce`` (by ``ShmGroup.__init__``:
     ``_all_reduce_hook``)."""
 
     _native = None   # the core's Group for this rank, or None on the Python path
@@ -110,8 +110,8 @@ class NativePaths:
         self._native_module = mod
         for name in ("_broadcast", "_all_gather", "_gather", "_scatter", "_reduce_scatter",
                      "_all_to_all"):
-            if getattr(type(self), name) is getattr(CollectiveOps, name):  # (a subclass's own stays)
-                setattr(self, name, getattr(self, name + "_native"))
+            if getattr(type(self), name) is getattr(CollectiveOps, name):
+                setattr(self, name, getattr(self, name + "_native"))   # (a subclass's stays)
 
     # ---------------------------------------------------------------- waiting
     def _exchange_native(self, q: int) -> None:

@@ -14,8 +14,9 @@ An all_reduce past the one-phase size of an array in symmetric memory, on the co
 (DDP's bucket), gets a round bound once by the group (``_symmetric_round``): one Python
 frame between the request and the core's call, where the large path has five.
 
-A phase function this module expects and the group lacks (its internals change) means
-None: the base class's default round, through the group's hooks, is used instead.
+For all_reduce, a phase function this module expects and the group lacks (its
+internals change) means None: the base class's default round, through the group's
+hooks, is used instead.
 """
 
 from __future__ import annotations
