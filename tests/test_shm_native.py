@@ -589,6 +589,14 @@ def _small_moves_job() -> dict:
         res = {"hot": round_(-1), "late": round_(n - 1), "native": pg.native}
         res["python_calls"] = list(python_calls)
         res["general"] = list(general)
+        # A move the core's `move` did not take (NOT_TAKEN: a dtype or operator it does
+        # not know) runs through small_move with the codes Python finds.
+        from backends.shm.ops import OP_ALL_GATHER
+        got, seq = np.zeros(6 * n, np.float32), pg._seq
+        pg._seq += 1
+        pg._small_move_waits(pg._native_module.MOVE_GATHER, OP_ALL_GATHER, mine, got, -1,
+                             None, mine.nbytes, seq, pg._NOT_TAKEN)
+        res["not_taken"] = bool(np.array_equal(got, every))
         spare = pg.new_group(list(range(n)))
         try:   # rank 0 expects 2 elements from rank 1, which sends it 1
             counts = [1 + (k == 1 and me == 0) for k in range(n)]
@@ -619,6 +627,7 @@ def test_the_gather_and_scatter_families_move_in_one_call_of_the_core(nproc):
                                 join_timeout=120)
     for res in results:
         assert res["native"] and res["python_calls"] == [] and res["general"] == [], res
+        assert res["not_taken"], res
         assert res["hot"] == [True] * 6 and res["late"] == [True] * 6, res
         assert "all_to_all" in res["counts"] and "all_gather" in res["mismatch"], res
     assert any(res["mismatch"].startswith("CollectiveMismatch") and "called" in res["mismatch"]

@@ -853,40 +853,46 @@ static int move_phase(Group *g, int kind, const Py_buffer *inp, const Py_buffer 
     return status;
 }
 
-/* small_move(kind, inp, out, q, fp0, fp1, root, dtype, op, budget, published) -> status
- * as exchange: move_phase for ops.py's hooks. `inp` is None where this rank publishes
- * nothing (broadcast and scatter off the root), `out` where it receives nothing (gather
- * off the root, broadcast at the root); `dtype` and `op` are read for M_REDUCE_SCATTER. */
-static PyObject *G_small_move(Group *g, PyObject *const *args, Py_ssize_t nargs) {
-    uint64_t q, fp0, fp1;
-    int kind, root, code, op, published;
-    double budget;
-    Py_buffer in_view, out_view, *inp = NULL, *out = NULL;
-    NARGS("small_move", 11);
-    if (arg_int(args[0], &kind) < 0 || arg_u64(args[3], &q) < 0
-        || arg_u64(args[4], &fp0) < 0 || arg_u64(args[5], &fp1) < 0
-        || arg_int(args[6], &root) < 0 || arg_int(args[7], &code) < 0
-        || arg_int(args[8], &op) < 0 || arg_double(args[9], &budget) < 0
-        || (published = PyObject_IsTrue(args[10])) < 0)
-        return NULL;
+/* The buffers of one move and one rank's part `m`, checked against each other and the
+ * slot (move_get) and held until move_release. */
+typedef struct {
+    Py_buffer in_view, out_view, *inp, *out;
+    Py_ssize_t m;
+} Move;
+
+static void move_release(Move *mv) {
+    if (mv->inp) PyBuffer_Release(mv->inp);
+    if (mv->out) PyBuffer_Release(mv->out);
+    mv->inp = mv->out = NULL;
+}
+
+/* `in_obj` (None where this rank publishes nothing: broadcast and scatter off the root)
+ * and `out_obj` (None where it receives nothing: gather off the root, broadcast at the
+ * root) of a move of `kind`, checked: every size the kind implies (a wrong one would
+ * read or write past a slot or an array), the root, and for M_REDUCE_SCATTER the
+ * kernel. -1 with an exception. */
+static int move_get(Group *g, Move *mv, int kind, int root, int code, int op,
+                    PyObject *in_obj, PyObject *out_obj) {
+    mv->inp = mv->out = NULL;
+    mv->m = -1;
     if (kind < M_GATHER || kind > M_REDUCE_SCATTER || root < -1 || root >= g->size
-        || ((kind == M_BROADCAST || kind == M_SCATTER) && root < 0))
-        return PyErr_Format(PyExc_ValueError, "shm native small_move: kind %d, root %d",
-                            kind, root);
-    if (kind == M_REDUCE_SCATTER && check_kernel(code, op) < 0) return NULL;
-    if (args[1] != Py_None) {
-        if (get_array(args[1], &in_view, 0, "small_move") < 0) return NULL;
-        inp = &in_view;
+        || ((kind == M_BROADCAST || kind == M_SCATTER) && root < 0)) {
+        PyErr_Format(PyExc_ValueError, "shm native small_move: kind %d, root %d", kind, root);
+        return -1;
     }
-    if (args[2] != Py_None) {
-        if (get_array(args[2], &out_view, 1, "small_move") < 0) {
-            if (inp) PyBuffer_Release(inp);
-            return NULL;
+    if (kind == M_REDUCE_SCATTER && check_kernel(code, op) < 0) return -1;
+    if (in_obj != Py_None) {
+        if (get_array(in_obj, &mv->in_view, 0, "small_move") < 0) return -1;
+        mv->inp = &mv->in_view;
+    }
+    if (out_obj != Py_None) {
+        if (get_array(out_obj, &mv->out_view, 1, "small_move") < 0) {
+            move_release(mv);
+            return -1;
         }
-        out = &out_view;
+        mv->out = &mv->out_view;
     }
-    /* One rank's part, and the sizes every kind implies (the caller checked them; a
-     * wrong size here would read or write past a slot or an array). */
+    Py_buffer *inp = mv->inp, *out = mv->out;
     Py_ssize_t n = g->size, m = -1;
     int ok = 1;
     if (kind == M_GATHER) {
@@ -905,17 +911,36 @@ static PyObject *G_small_move(Group *g, PyObject *const *args, Py_ssize_t nargs)
      * them where a slot holds the whole input (scatter, reduce_scatter) */
     Py_ssize_t in_slot = (kind == M_SCATTER || kind == M_REDUCE_SCATTER) ? n * m : m;
     if (!ok || m < 0 || in_slot > g->chunk || (inp && inp->len > g->chunk)) {
-        if (inp) PyBuffer_Release(inp);
-        if (out) PyBuffer_Release(out);
-        return PyErr_Format(PyExc_ValueError, "shm native small_move: kind %d with %zd "
-                            "input and %zd output bytes (a slot holds %zd)", kind,
-                            inp ? inp->len : (Py_ssize_t)-1,
-                            out ? out->len : (Py_ssize_t)-1, g->chunk);
+        PyErr_Format(PyExc_ValueError, "shm native small_move: kind %d with %zd input and "
+                     "%zd output bytes (a slot holds %zd)", kind,
+                     inp ? inp->len : (Py_ssize_t)-1, out ? out->len : (Py_ssize_t)-1,
+                     g->chunk);
+        move_release(mv);
+        return -1;
     }
-    int status = move_phase(g, kind, inp, out, m, root, code, op, q, fp0, fp1, budget,
-                            published);
-    if (inp) PyBuffer_Release(inp);
-    if (out) PyBuffer_Release(out);
+    mv->m = m;
+    return 0;
+}
+
+/* small_move(kind, inp, out, q, fp0, fp1, root, dtype, op, budget, published) -> status
+ * as exchange: move_phase for Python's own calls (a wait resumed after move, and any
+ * call move did not take); `dtype` and `op` are codes, read for M_REDUCE_SCATTER. */
+static PyObject *G_small_move(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t q, fp0, fp1;
+    int kind, root, code, op, published;
+    double budget;
+    Move mv;
+    NARGS("small_move", 11);
+    if (arg_int(args[0], &kind) < 0 || arg_u64(args[3], &q) < 0
+        || arg_u64(args[4], &fp0) < 0 || arg_u64(args[5], &fp1) < 0
+        || arg_int(args[6], &root) < 0 || arg_int(args[7], &code) < 0
+        || arg_int(args[8], &op) < 0 || arg_double(args[9], &budget) < 0
+        || (published = PyObject_IsTrue(args[10])) < 0)
+        return NULL;
+    if (move_get(g, &mv, kind, root, code, op, args[1], args[2]) < 0) return NULL;
+    int status = move_phase(g, kind, mv.inp, mv.out, mv.m, root, code, op, q, fp0, fp1,
+                            budget, published);
+    move_release(&mv);
     return status < 0 ? PyErr_NoMemory() : PyLong_FromLong(status);
 }
 
@@ -1092,6 +1117,46 @@ static PyObject *G_small_all_reduce(Group *g, PyObject *const *args, Py_ssize_t 
     return status < 0 ? PyErr_NoMemory() : PyLong_FromLong(status);
 }
 
+/* move(kind, opcode, inp, out, seq, root, op, budget) -> status as exchange, or
+ * NOT_TAKEN: a whole one-phase move for ops.py's hooks (native_ops.py's _small_move),
+ * as small_all_reduce is the all_reduce's: finds the dtype code of the array given (inp,
+ * else out) and the code of `op` (a ReduceOp member, or None), enters the next phase
+ * (`phase`), computes the fingerprint Python's _start would (fp1: one rank's part) and
+ * runs move_phase. NOT_TAKEN (nothing done, the phase unchanged) for a dtype or an
+ * operator it does not know: Python computes them and calls small_move. Any other
+ * status but DONE: Python waits the phase out. */
+static PyObject *G_move(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    int kind, opcode, root, op = 0, code;
+    uint64_t seq;
+    double budget;
+    Move mv;
+    NARGS("move", 8);
+    if (arg_int(args[0], &kind) < 0 || arg_int(args[1], &opcode) < 0
+        || arg_u64(args[4], &seq) < 0 || arg_int(args[5], &root) < 0
+        || arg_double(args[7], &budget) < 0)
+        return NULL;
+    if (args[6] != Py_None) {
+        for (int r = 1; r <= R_MAX; r++)
+            if (args[6] == REDUCE_OPS[r]) { op = r; break; }
+        if (!op) return PyLong_FromLong(NOT_TAKEN);
+    }
+    if (DTYPE_CODES_BY_DTYPE == NULL) return PyLong_FromLong(NOT_TAKEN);
+    PyObject *dtype = PyObject_GetAttrString(args[2] != Py_None ? args[2] : args[3], "dtype");
+    if (dtype == NULL) return NULL;
+    PyObject *found = PyDict_GetItemWithError(DTYPE_CODES_BY_DTYPE, dtype);
+    Py_DECREF(dtype);
+    if (found == NULL) return PyErr_Occurred() ? NULL : PyLong_FromLong(NOT_TAKEN);
+    if (arg_int(found, &code) < 0) return NULL;
+    if (move_get(g, &mv, kind, root, code, op, args[2], args[3]) < 0) return NULL;
+    uint64_t q = ++g->phase;
+    uint64_t fp0 = (uint64_t)(opcode & 0xF) | ((uint64_t)op << 4) | ((uint64_t)(code & 0xFF) << 8)
+                   | ((uint64_t)((root + 1) & 0xFFFF) << 16) | ((seq & 0xFFFFFFFFu) << 32);
+    int status = move_phase(g, kind, mv.inp, mv.out, mv.m, root, code, op, q, fp0,
+                            (uint64_t)mv.m, budget, 0);
+    move_release(&mv);
+    return status < 0 ? PyErr_NoMemory() : PyLong_FromLong(status);
+}
+
 /* bind_codes(ops, dtypes): the ReduceOp members in code order (a sequence of R_MAX) and
  * a dict numpy dtype -> dtype code, for small_all_reduce. */
 static PyObject *m_bind_codes(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
@@ -1211,8 +1276,8 @@ static void copy_out_chunk(Group *g, char *a, int bank, Py_ssize_t total, Py_ssi
  * native.py refuses a stale build (LAYOUT) instead of failing inside a collective. 2:
  * Group.cma_reduce (writing the reduced piece into the peers, fenced by W_PUSHING)
  * replaces the module's, and cma_write. 3: sym_all_reduce's pushes fenced alike (its
- * CANCELED status). 4: small_move (the gather and scatter families' one-phase moves)
- * and all_to_all / all_to_all_take (its first phase). */
+ * CANCELED status). 4: move and small_move (the gather and scatter families' one-phase
+ * moves) and all_to_all / all_to_all_take (its first phase). */
 #define CORE_REVISION 4
 
 /* The pipelined reduce's largest piece (reduce.py's PIECE_MAX_BYTES, checked at load):
@@ -1545,6 +1610,9 @@ static PyMethodDef Group_methods[] = {
     {"small_reduce", (PyCFunction)(void (*)(void))G_small_reduce, METH_FASTCALL,
      "small_reduce(a, q, fp0, fp1, dtype, op, result, budget, published) -> status as "
      "exchange."},
+    {"move", (PyCFunction)(void (*)(void))G_move, METH_FASTCALL,
+     "move(kind, opcode, inp, out, seq, root, op, budget) -> status as exchange, or 5: "
+     "not taken (a one-phase move from its arguments alone)."},
     {"small_move", (PyCFunction)(void (*)(void))G_small_move, METH_FASTCALL,
      "small_move(kind, inp, out, q, fp0, fp1, root, dtype, op, budget, published) -> "
      "status as exchange: a one-phase gather (0), broadcast (1), scatter (2) or "

@@ -97,7 +97,7 @@ class NativePaths:
         core.small_limit = self._small_limit
         self._bells = NativeDoorbells(core, mode)
         self._DONE, self._MISMATCH, self._DECLINED = mod.DONE, mod.MISMATCH, mod.DECLINED
-        self._CANCELED = mod.CANCELED
+        self._CANCELED, self._NOT_TAKEN = mod.CANCELED, mod.NOT_TAKEN
         self._exchange = self._exchange_native
         self._small_reduce = self._small_reduce_native
         self._native = core   # (from now on the core keeps the phase counter: _phase)
@@ -282,22 +282,48 @@ class NativePaths:
     def _small_move(self, kind: int, opcode: int, inp: Optional[np.ndarray],
                     out: Optional[np.ndarray], root: int, op: Optional[ReduceOp],
                     nbytes: int, seq: int) -> None:
-        """One phase of the core's ``small_move``: what ``ops``' ``_start`` sets for the
-        errors, the next phase, the call, and its wait resumed in Python (``_settle``)
-        where it outlasts the core's budget; any failure breaks the group (``_guard``)."""
+        """One phase of the core's ``move`` (codes, fingerprint and phase found in C, as
+        ``small_all_reduce`` does for the all_reduce); a wait that outlasts the core's
+        budget, or a call it does not take, goes on in ``_small_move_waits``. Any
+        failure breaks the group (``_guard``)."""
+        try:
+            status = self._native.move(kind, opcode, inp, out, seq, root, op,
+                                       0.0 if self._engine.pending else self._wait_budget)
+        except BaseException as exc:
+            self._small_move_state(opcode, inp, out, root, op, nbytes, seq)
+            self._fail(exc)
+            raise
+        if status != self._DONE:
+            self._small_move_waits(kind, opcode, inp, out, root, op, nbytes, seq, status)
+
+    def _small_move_state(self, opcode: int, inp: Optional[np.ndarray],
+                          out: Optional[np.ndarray], root: int, op: Optional[ReduceOp],
+                          nbytes: int, seq: int) -> tuple[int, int, int]:
+        """What ``ops``' ``_start`` would set for the errors (``_op_name``, ``_op_seq``,
+        ``_fp0``, ``_fp1``) for this move; returns (fp0, dtype code, operator code)."""
         self._op_name, self._op_seq = _OP_NAMES[opcode], seq
         code = _DTYPE_CODE.get((out if inp is None else inp).dtype, 0)
         redop = 0 if op is None else _REDOP_BY_ID[id(op)]
-        # fingerprint(opcode, redop, code, root, seq), inline: a call is a tenth of this
-        fp0 = self._fp0 = (opcode | (redop << 4) | (code << 8) | (((root + 1) & 0xFFFF) << 16)
-                           | ((seq & 0xFFFFFFFF) << 32))
+        fp0 = self._fp0 = fingerprint(opcode, redop, code, root, seq)
         self._fp1 = nbytes
+        return fp0, code, redop
+
+    def _small_move_waits(self, kind: int, opcode: int, inp: Optional[np.ndarray],
+                          out: Optional[np.ndarray], root: int, op: Optional[ReduceOp],
+                          nbytes: int, seq: int, status: int) -> None:
+        """After ``move`` came back without its phase done: wait it out (``_settle``,
+        then the core finishes the move), or raise; a call ``move`` did not take
+        (NOT_TAKEN) runs through ``small_move`` with the codes found here."""
         core = self._native
         try:
-            q = core.phase = core.phase + 1   # (the _phase property, without its frame)
+            fp0, code, redop = self._small_move_state(opcode, inp, out, root, op, nbytes, seq)
             budget = 0.0 if self._engine.pending else self._wait_budget
-            status = core.small_move(kind, inp, out, q, fp0, nbytes, root, code, redop,
-                                     budget, False)
+            if status == self._NOT_TAKEN:
+                q = core.phase = core.phase + 1
+                status = core.small_move(kind, inp, out, q, fp0, nbytes, root, code, redop,
+                                         budget, False)
+            else:
+                q = core.phase
             if status != self._DONE:
                 if status != self._MISMATCH:
                     status = self._settle(q, lambda b: core.small_move(
