@@ -495,6 +495,26 @@ static void store_fp(Group *g, uint64_t q, uint64_t fp0, uint64_t fp1) {
     atomic_store_explicit(word(g, g->rank, w + 1), fp1, memory_order_relaxed);
 }
 
+/* Store this rank's fingerprints for phase q and publish it. */
+static void publish(Group *g, uint64_t q, uint64_t fp0, uint64_t fp1) {
+    store_fp(g, q, fp0, fp1);
+    arrive(g, q);
+}
+
+/* wait_phase, then compare every rank's fingerprints with (fp0, fp1): DONE, MISMATCH,
+ * BUDGET or PEER. */
+static int wait_checked(Group *g, uint64_t q, uint64_t fp0, uint64_t fp1, double budget) {
+    int status = wait_phase(g, q, budget);
+    return status == DONE && !fingerprints_match(g, q, fp0, fp1) ? MISMATCH : status;
+}
+
+/* Word 0 of a phase's fingerprint: ops.py's fingerprint(), computed alike. */
+static uint64_t fingerprint0(int opcode, int op, int code, int root, uint64_t seq) {
+    return (uint64_t)(opcode & 0xF) | ((uint64_t)(op & 0xF) << 4)
+           | ((uint64_t)(code & 0xFF) << 8) | ((uint64_t)((root + 1) & 0xFFFF) << 16)
+           | ((seq & 0xFFFFFFFFu) << 32);
+}
+
 /* ------------------------------------------------------------------- arguments */
 static int arg_u64(PyObject *o, uint64_t *v) {
     *v = (uint64_t)PyLong_AsUnsignedLongLongMask(o);
@@ -598,9 +618,7 @@ static PyObject *G_exchange(Group *g, PyObject *const *args, Py_ssize_t nargs) {
         || arg_double(args[3], &budget) < 0 || (published = PyObject_IsTrue(args[4])) < 0)
         return NULL;
     if (!published) arrive(g, q);
-    int status = wait_phase(g, q, budget);
-    if (status == DONE && !fingerprints_match(g, q, fp0, fp1)) status = MISMATCH;
-    return PyLong_FromLong(status);
+    return PyLong_FromLong(wait_checked(g, q, fp0, fp1, budget));
 }
 
 static int get_array(PyObject *o, Py_buffer *view, int writable, const char *what) {
@@ -745,6 +763,19 @@ static int reduction_run(Reduction *R, int code, int op, int n, Group *peers) {
                          peers);
 }
 
+/* dst = the n slots of `bank`, each from byte `off` on, reduced in rank order (op):
+ * `count` elements. -1 where out of memory (more than 64 ranks). No GIL needed. */
+static int reduce_slots(Group *g, int bank, Py_ssize_t off, char *dst, Py_ssize_t count,
+                        int code, int op) {
+    char *stack[64], **srcs = stack;
+    if (g->size > 64 && !(srcs = PyMem_RawMalloc(sizeof(char *) * (size_t)g->size)))
+        return -1;
+    for (int r = 0; r < g->size; r++) srcs[r] = slot(g, bank, r) + off;
+    KERNELS[code].fn(dst, srcs, g->size, count, op, g->size);
+    if (srcs != stack) PyMem_RawFree(srcs);
+    return 0;
+}
+
 /* The one-phase all_reduce/reduce of `len` bytes at `a`: unless `published`, copy them
  * into this rank's slot of bank q % 2, store the fingerprints and publish q; wait at most
  * `budget` seconds; once every rank arrived with the same fingerprint, and if `result`,
@@ -755,25 +786,20 @@ static int small_phase(Group *g, char *a, Py_ssize_t len, uint64_t q, uint64_t f
     int bank = (int)(q & 1);
     if (!published) {
         memcpy(slot(g, bank, g->rank), a, (size_t)len);
-        store_fp(g, q, fp0, fp1);
-        arrive(g, q);
+        publish(g, q, fp0, fp1);
     }
-    int status = wait_phase(g, q, budget);
-    if (status == DONE && !fingerprints_match(g, q, fp0, fp1)) status = MISMATCH;
+    int status = wait_checked(g, q, fp0, fp1, budget);
     if (status == DONE && result && len) {
-        char *stack[64], **srcs = stack;
-        if (g->size > 64 && !(srcs = PyMem_RawMalloc(sizeof(char *) * (size_t)g->size)))
-            return -1;
-        for (int r = 0; r < g->size; r++) srcs[r] = slot(g, bank, r);
         Py_ssize_t count = len / KERNELS[code].itemsize;
+        int rc;
         if (len > 16384) {
             Py_BEGIN_ALLOW_THREADS
-            KERNELS[code].fn(a, srcs, g->size, count, op, g->size);
+            rc = reduce_slots(g, bank, 0, a, count, code, op);
             Py_END_ALLOW_THREADS
         } else {
-            KERNELS[code].fn(a, srcs, g->size, count, op, g->size);
+            rc = reduce_slots(g, bank, 0, a, count, code, op);
         }
-        if (srcs != stack) PyMem_RawFree(srcs);
+        if (rc < 0) return -1;
     }
     return status;
 }
@@ -824,11 +850,9 @@ static int move_phase(Group *g, int kind, const Py_buffer *inp, const Py_buffer 
     int bank = (int)(q & 1), n = g->size, me = g->rank;
     if (!published) {
         if (inp) memcpy(slot(g, bank, me), inp->buf, (size_t)inp->len);
-        store_fp(g, q, fp0, fp1);
-        arrive(g, q);
+        publish(g, q, fp0, fp1);
     }
-    int status = wait_phase(g, q, budget);
-    if (status == DONE && !fingerprints_match(g, q, fp0, fp1)) status = MISMATCH;
+    int status = wait_checked(g, q, fp0, fp1, budget);
     if (status != DONE || out == NULL || m == 0) return status;
     char *dst = out->buf;
     int release = out->len > 16384;
@@ -839,15 +863,9 @@ static int move_phase(Group *g, int kind, const Py_buffer *inp, const Py_buffer 
         memcpy(dst, slot(g, bank, root), (size_t)m);
     } else if (kind == M_SCATTER) {
         memcpy(dst, slot(g, bank, root) + (Py_ssize_t)me * m, (size_t)m);
-    } else {
-        char *stack[64], **srcs = stack;
-        if (n > 64 && !(srcs = PyMem_RawMalloc(sizeof(char *) * (size_t)n))) {
-            if (ts) PyEval_RestoreThread(ts);
-            return -1;
-        }
-        for (int r = 0; r < n; r++) srcs[r] = slot(g, bank, r) + (Py_ssize_t)me * m;
-        KERNELS[code].fn(dst, srcs, n, m / KERNELS[code].itemsize, op, n);
-        if (srcs != stack) PyMem_RawFree(srcs);
+    } else if (reduce_slots(g, bank, (Py_ssize_t)me * m, dst, m / KERNELS[code].itemsize,
+                            code, op) < 0) {
+        status = -1;
     }
     if (ts) PyEval_RestoreThread(ts);
     return status;
@@ -1034,10 +1052,8 @@ static PyObject *G_all_to_all(Group *g, PyObject *const *args, Py_ssize_t nargs)
         hdr[i] = (int64_t)c;
     }
     if (inp.len <= g->chunk - head) memcpy(slot(g, bank, g->rank) + head, inp.buf, (size_t)inp.len);
-    store_fp(g, q, fp0, fp1);
-    arrive(g, q);
-    int status = wait_phase(g, q, budget);
-    if (status == DONE && !fingerprints_match(g, q, fp0, fp1)) status = MISMATCH;
+    publish(g, q, fp0, fp1);
+    int status = wait_checked(g, q, fp0, fp1, budget);
     if (status == DONE) status = a2a_take(g, q, out.buf, out.len, head, itemsize);
     PyBuffer_Release(&inp);
     PyBuffer_Release(&out);
@@ -1074,6 +1090,25 @@ static PyObject *REDUCE_OPS[R_MAX + 1];
 static PyObject *DTYPE_CODES_BY_DTYPE;
 #define OP_ALL_REDUCE_CODE 3   /* ops.py's OP_ALL_REDUCE (native.py checks it) */
 
+/* The code (1..R_MAX) of a ReduceOp member, by identity; 0 for anything else. */
+static int redop_code(PyObject *o) {
+    for (int r = 1; r <= R_MAX; r++)
+        if (o == REDUCE_OPS[r]) return r;
+    return 0;
+}
+
+/* The dtype code of `arr`'s dtype into *code: 1, or 0 where the table does not know it
+ * (or is not bound yet), or -1 with an exception. */
+static int dtype_code_of(PyObject *arr, int *code) {
+    if (DTYPE_CODES_BY_DTYPE == NULL) return 0;
+    PyObject *dtype = PyObject_GetAttrString(arr, "dtype");
+    if (dtype == NULL) return -1;
+    PyObject *found = PyDict_GetItemWithError(DTYPE_CODES_BY_DTYPE, dtype);
+    Py_DECREF(dtype);
+    if (found == NULL) return PyErr_Occurred() ? -1 : 0;
+    return arg_int(found, code) < 0 ? -1 : 1;
+}
+
 /* small_all_reduce(a, op, seq, budget) -> status, or NOT_TAKEN: the whole all_reduce hook
  * of a one-phase message, called by the base class's fast path (through one line of
  * Python: shm's NativePaths._use_native). Finds the codes of `a`'s dtype and of `op`,
@@ -1089,16 +1124,10 @@ static PyObject *G_small_all_reduce(Group *g, PyObject *const *args, Py_ssize_t 
     double budget;
     Py_buffer a;
     NARGS("small_all_reduce", 4);
-    for (int r = 1; r <= R_MAX; r++)
-        if (args[1] == REDUCE_OPS[r]) { op = r; break; }
-    if (!op || DTYPE_CODES_BY_DTYPE == NULL) return PyLong_FromLong(NOT_TAKEN);
+    if (!(op = redop_code(args[1]))) return PyLong_FromLong(NOT_TAKEN);
     if (arg_u64(args[2], &seq) < 0 || arg_double(args[3], &budget) < 0) return NULL;
-    PyObject *dtype = PyObject_GetAttrString(args[0], "dtype");
-    if (dtype == NULL) return NULL;
-    PyObject *found = PyDict_GetItemWithError(DTYPE_CODES_BY_DTYPE, dtype);
-    Py_DECREF(dtype);
-    if (found == NULL) return PyErr_Occurred() ? NULL : PyLong_FromLong(NOT_TAKEN);
-    if (arg_int(found, &code) < 0) return NULL;
+    int known = dtype_code_of(args[0], &code);
+    if (known <= 0) return known < 0 ? NULL : PyLong_FromLong(NOT_TAKEN);
     if (code < T_F16 || code > T_I64 || (op == R_AVG && code >= T_I8))
         return PyLong_FromLong(NOT_TAKEN);
     if (PyObject_GetBuffer(args[0], &a, PyBUF_WRITABLE) < 0) {
@@ -1110,8 +1139,7 @@ static PyObject *G_small_all_reduce(Group *g, PyObject *const *args, Py_ssize_t 
         return PyLong_FromLong(NOT_TAKEN);
     }
     uint64_t q = ++g->phase;
-    uint64_t fp0 = OP_ALL_REDUCE_CODE | ((uint64_t)op << 4) | ((uint64_t)code << 8)
-                   | ((seq & 0xFFFFFFFFu) << 32);
+    uint64_t fp0 = fingerprint0(OP_ALL_REDUCE_CODE, op, code, -1, seq);
     int status = small_phase(g, a.buf, a.len, q, fp0, (uint64_t)a.len, code, op, 1, budget, 0);
     PyBuffer_Release(&a);
     return status < 0 ? PyErr_NoMemory() : PyLong_FromLong(status);
@@ -1135,24 +1163,14 @@ static PyObject *G_move(Group *g, PyObject *const *args, Py_ssize_t nargs) {
         || arg_u64(args[4], &seq) < 0 || arg_int(args[5], &root) < 0
         || arg_double(args[7], &budget) < 0)
         return NULL;
-    if (args[6] != Py_None) {
-        for (int r = 1; r <= R_MAX; r++)
-            if (args[6] == REDUCE_OPS[r]) { op = r; break; }
-        if (!op) return PyLong_FromLong(NOT_TAKEN);
-    }
-    if (DTYPE_CODES_BY_DTYPE == NULL) return PyLong_FromLong(NOT_TAKEN);
-    PyObject *dtype = PyObject_GetAttrString(args[2] != Py_None ? args[2] : args[3], "dtype");
-    if (dtype == NULL) return NULL;
-    PyObject *found = PyDict_GetItemWithError(DTYPE_CODES_BY_DTYPE, dtype);
-    Py_DECREF(dtype);
-    if (found == NULL) return PyErr_Occurred() ? NULL : PyLong_FromLong(NOT_TAKEN);
-    if (arg_int(found, &code) < 0) return NULL;
+    if (args[6] != Py_None && !(op = redop_code(args[6]))) return PyLong_FromLong(NOT_TAKEN);
+    int known = dtype_code_of(args[2] != Py_None ? args[2] : args[3], &code);
+    if (known <= 0) return known < 0 ? NULL : PyLong_FromLong(NOT_TAKEN);
     if (move_get(g, &mv, kind, root, code, op, args[2], args[3]) < 0) return NULL;
     uint64_t q = ++g->phase;
-    uint64_t fp0 = (uint64_t)(opcode & 0xF) | ((uint64_t)op << 4) | ((uint64_t)(code & 0xFF) << 8)
-                   | ((uint64_t)((root + 1) & 0xFFFF) << 16) | ((seq & 0xFFFFFFFFu) << 32);
-    int status = move_phase(g, kind, mv.inp, mv.out, mv.m, root, code, op, q, fp0,
-                            (uint64_t)mv.m, budget, 0);
+    int status = move_phase(g, kind, mv.inp, mv.out, mv.m, root, code, op, q,
+                            fingerprint0(opcode, op, code, root, seq), (uint64_t)mv.m,
+                            budget, 0);
     move_release(&mv);
     return status < 0 ? PyErr_NoMemory() : PyLong_FromLong(status);
 }
@@ -1207,8 +1225,7 @@ static PyObject *G_sym_all_reduce(Group *g, PyObject *const *args, Py_ssize_t na
         uint64_t *mine = (uint64_t *)slot(g, bank, g->rank);
         mine[0] = vote0;   /* published by arrive()'s release store */
         mine[1] = vote1;
-        store_fp(g, q, vfp0, fp1);
-        arrive(g, q);
+        publish(g, q, vfp0, fp1);
         if ((status = wait_phase(g, q, budget)) != DONE) return Py_BuildValue("(ii)", status, 0);
     }
     if (!fingerprints_match(g, q, vfp0, fp1)) return Py_BuildValue("(ii)", MISMATCH, 0);
@@ -1232,11 +1249,8 @@ static PyObject *G_sym_all_reduce(Group *g, PyObject *const *args, Py_ssize_t na
         reduction_release(&R);
         if (pushed < 0) return Py_BuildValue("(ii)", CANCELED, 1);   /* q + 1 not published */
     }
-    store_fp(g, q + 1, fp0, fp1);
-    arrive(g, q + 1);
-    status = wait_phase(g, q + 1, budget);
-    if (status == DONE && !fingerprints_match(g, q + 1, fp0, fp1)) status = MISMATCH;
-    return Py_BuildValue("(ii)", status, 1);
+    publish(g, q + 1, fp0, fp1);
+    return Py_BuildValue("(ii)", wait_checked(g, q + 1, fp0, fp1, budget), 1);
 }
 
 /* pipelined(a, q0, fp0, fp1, dtype, op, result, j, budget) -> (status, j): reduce.py's
@@ -1345,10 +1359,8 @@ static PyObject *G_pipelined(Group *g, PyObject *const *args, Py_ssize_t nargs) 
         if (j >= 2 && result)                      /* 3. copy out chunk j - 2 */
             copy_out_chunk(g, a, bank ^ 1, total, C, P, align, j - 2, itemsize);
         Py_END_ALLOW_THREADS
-        store_fp(g, q, fp0, fp1);
-        arrive(g, q);
-        status = wait_phase(g, q, budget);
-        if (status == DONE && !fingerprints_match(g, q, fp0, fp1)) status = MISMATCH;
+        publish(g, q, fp0, fp1);
+        status = wait_checked(g, q, fp0, fp1, budget);
         if (status != DONE) break;
     }
     if (status == DONE && result) {               /* chunk K - 1, from the last bank */

@@ -31,7 +31,7 @@ from . import segment as sg
 from .channels import RecvOp
 from .cma import CMA_ENV, cma_from_bytes
 from .native import NativeDoorbells, native_module, wait_policy
-from .ops import (_DTYPE_CODE, _OP_NAMES, _REDOP_BY_ID, OP_ALL_GATHER, OP_ALL_REDUCE,
+from .ops import (_DTYPE_CODE, _REDOP_BY_ID, OP_ALL_GATHER, OP_ALL_REDUCE,
                   OP_ALL_TO_ALL, OP_BROADCAST, OP_GATHER, OP_REDUCE_SCATTER, OP_SCATTER,
                   CollectiveOps, fingerprint)
 from .reduce import ReduceOps
@@ -53,10 +53,6 @@ class NativePaths:
     _native_combine = None   # the core's rank-order reduction (GIL released), or None
 
     _py_phase = 0   # the phase counter on the Python path (see _phase)
-
-    #: The dtype codes the core reduces (every supported dtype but bool, which no
-    #: reduction accepts: the base class refuses it before any hook).
-    _reducible_codes = frozenset(code for dt, code in _DTYPE_CODE.items() if dt != np.bool_)
 
     @property
     def _phase(self) -> int:
@@ -207,40 +203,38 @@ class NativePaths:
 
     # ------------------------------------------- the gather and scatter families
     # A message that fits one slot is one phase, moved by one call of the core
-    # (``small_move``): the slots, fingerprints and phase of ``ops``' Python path, without
-    # its Python. Anything larger, and a broken or closed group (whose error the Python
-    # path raises), goes the Python way.
+    # (``move``): the slots, fingerprints and phase of ``ops``' Python path, without its
+    # Python. Anything larger goes the Python way.
     def _broadcast_native(self, a: np.ndarray, src: int, seq: int) -> None:
-        if a.nbytes > self._S or self._broken is not None or self._seg is None:
+        if a.nbytes > self._S:
             return CollectiveOps._broadcast(self, a, src, seq)
         mine = self.rank == src
         self._small_move(self._native_module.MOVE_BROADCAST, OP_BROADCAST,
                          a if mine else None, None if mine else a, src, None, a.nbytes, seq)
 
     def _all_gather_native(self, out: np.ndarray, inp: np.ndarray, seq: int) -> None:
-        if inp.nbytes > self._S or self._broken is not None or self._seg is None:
+        if inp.nbytes > self._S:
             return CollectiveOps._all_gather(self, out, inp, seq)
         self._small_move(self._native_module.MOVE_GATHER, OP_ALL_GATHER, inp, out, -1, None,
                          inp.nbytes, seq)
 
     def _gather_native(self, inp: np.ndarray, out: Optional[np.ndarray], dst: int,
                        seq: int) -> None:
-        if inp.nbytes > self._S or self._broken is not None or self._seg is None:
+        if inp.nbytes > self._S:
             return CollectiveOps._gather(self, inp, out, dst, seq)
         self._small_move(self._native_module.MOVE_GATHER, OP_GATHER, inp,
                          out if self.rank == dst else None, dst, None, inp.nbytes, seq)
 
     def _scatter_native(self, out: np.ndarray, inp: Optional[np.ndarray], src: int,
                         seq: int) -> None:
-        if self.size * out.nbytes > self._S or self._broken is not None or self._seg is None:
+        if self.size * out.nbytes > self._S:
             return CollectiveOps._scatter(self, out, inp, src, seq)
         self._small_move(self._native_module.MOVE_SCATTER, OP_SCATTER,
                          inp if self.rank == src else None, out, src, None, out.nbytes, seq)
 
     def _reduce_scatter_native(self, out: np.ndarray, inp: np.ndarray, op: ReduceOp,
                                seq: int) -> None:
-        if (inp.nbytes > self._S or self._broken is not None or self._seg is None
-                or _DTYPE_CODE.get(out.dtype, 0) not in self._reducible_codes):
+        if inp.nbytes > self._S:   # (no reduction takes bool: the base class refuses it)
             return CollectiveOps._reduce_scatter(self, out, inp, op, seq)
         self._small_move(self._native_module.MOVE_REDUCE_SCATTER, OP_REDUCE_SCATTER, inp, out,
                          -1, op, out.nbytes, seq)
@@ -251,16 +245,12 @@ class NativePaths:
         the input where it fits behind them, the wait, the check, the copies): the
         whole call where every rank's input fits; else Python goes on from the counts
         (``_all_to_all_rest``: the mismatch error, or the further phases)."""
-        if self._broken is not None or self._seg is None:
-            return CollectiveOps._all_to_all(self, out, inp, out_counts, in_counts, seq)
-        self._op_name, self._op_seq = "all_to_all", seq
-        fp0 = self._fp0 = fingerprint(OP_ALL_TO_ALL, 0, _DTYPE_CODE.get(out.dtype, 0), -1,
-                                      seq)
-        self._fp1 = 0
         out_counts, in_counts = list(out_counts), list(in_counts)
         head, itemsize = self._a2a_head_bytes(), out.itemsize
         core = self._native
         try:
+            self._start(OP_ALL_TO_ALL, seq, out.dtype, 0)   # (raises on a broken group)
+            fp0 = self._fp0
             q = core.phase = core.phase + 1
             budget = 0.0 if self._engine.pending else self._wait_budget
             status = core.all_to_all(inp, out, in_counts + out_counts, q, fp0, 0, head,
@@ -286,6 +276,8 @@ class NativePaths:
         ``small_all_reduce`` does for the all_reduce); a wait that outlasts the core's
         budget, or a call it does not take, goes on in ``_small_move_waits``. Any
         failure breaks the group (``_guard``)."""
+        if self._broken is not None or self._seg is None:
+            self._start(opcode, seq)   # raises the group's error
         try:
             status = self._native.move(kind, opcode, inp, out, seq, root, op,
                                        0.0 if self._engine.pending else self._wait_budget)
@@ -299,14 +291,11 @@ class NativePaths:
     def _small_move_state(self, opcode: int, inp: Optional[np.ndarray],
                           out: Optional[np.ndarray], root: int, op: Optional[ReduceOp],
                           nbytes: int, seq: int) -> tuple[int, int, int]:
-        """What ``ops``' ``_start`` would set for the errors (``_op_name``, ``_op_seq``,
-        ``_fp0``, ``_fp1``) for this move; returns (fp0, dtype code, operator code)."""
-        self._op_name, self._op_seq = _OP_NAMES[opcode], seq
-        code = _DTYPE_CODE.get((out if inp is None else inp).dtype, 0)
-        redop = 0 if op is None else _REDOP_BY_ID[id(op)]
-        fp0 = self._fp0 = fingerprint(opcode, redop, code, root, seq)
-        self._fp1 = nbytes
-        return fp0, code, redop
+        """``ops``' ``_start`` for this move (what the errors read: ``_op_name``,
+        ``_op_seq``, ``_fp0``, ``_fp1``); returns (fp0, dtype code, operator code)."""
+        dtype = (out if inp is None else inp).dtype
+        self._start(opcode, seq, dtype, nbytes, root, op)
+        return self._fp0, _DTYPE_CODE.get(dtype, 0), 0 if op is None else _REDOP_BY_ID[id(op)]
 
     def _small_move_waits(self, kind: int, opcode: int, inp: Optional[np.ndarray],
                           out: Optional[np.ndarray], root: int, op: Optional[ReduceOp],
