@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import collectives  # noqa: E402
 
-POLICIES = [(1, 20), (1, 500), (1, 5000), (10, 500), (50, 200), (0, 0)]
+POLICIES = [(0, 50), (0, 500), (1, 50), (1, 500), (10, 500), (50, 200), (0, 0)]
 
 
 def _job(iters: int) -> dict:

@@ -533,7 +533,8 @@ def test_the_one_phase_all_reduce_is_one_call_of_the_core(nproc):
 
 
 def _small_moves_job() -> dict:
-    """The gather and scatter families' one-phase messages and a small all_to_all: each
+    """The gather and scatter families' one-phase messages, a small all_to_all and a
+    barrier: each
     straight from the base class's fast path (its general path, counted, never taken)
     into one call of the core (ops.py's phase loops, counted, never run), also when a
     rank comes later than the core waits before each call (Python waits the phase out,
@@ -555,6 +556,8 @@ def _small_moves_job() -> dict:
     real_dispatch = pg._dispatch_collective
     pg._dispatch_collective = lambda op, *a, **k: (general.append(op),
                                                    real_dispatch(op, *a, **k))[1]
+    real_exchange = pg._exchange   # a phase Python enters (ops._barrier's, for one)
+    pg._exchange = lambda q: (python_calls.append("_exchange"), real_exchange(q))[1]
     mine = np.arange(6, dtype=np.float32) + 10 * me
     every = np.concatenate([np.arange(6, dtype=np.float32) + 10 * r for r in range(n)])
     sums = sum(every[r * 6:(r + 1) * 6] for r in range(n))
@@ -580,6 +583,8 @@ def _small_moves_job() -> dict:
         swapped = np.empty(6 * n, np.float32)   # rank j sends rank k its `mine` + k
         wait()
         pg.all_to_all(swapped, np.concatenate([mine + k for k in range(n)]))
+        wait()
+        pg.barrier()
         return [bool(np.array_equal(got, every)), bool(np.array_equal(b, every[-6:])),
                 bool(np.array_equal(part, every[me * 6:(me + 1) * 6])),
                 me != 1 or bool(np.array_equal(at_root, every)),
@@ -606,6 +611,13 @@ def _small_moves_job() -> dict:
         except (collectives.CollectiveMismatch, collectives.PeerError) as exc:
             res["counts"] = f"{type(exc).__name__}: {exc}"
         spare.close()
+        spare = pg.new_group(list(range(n)))
+        try:   # a barrier against an all_reduce: one phase each, told apart
+            spare.barrier() if me == 0 else spare.all_reduce(np.zeros(1, np.float32))
+            res["barrier"] = "no error"
+        except (collectives.CollectiveMismatch, collectives.PeerError) as exc:
+            res["barrier"] = f"{type(exc).__name__}: {exc}"
+        spare.close()
         try:
             pg.all_gather(np.empty(n * (3 + me), np.float32), np.zeros(3 + me, np.float32))
             res["mismatch"] = "no error"
@@ -630,6 +642,9 @@ def test_the_gather_and_scatter_families_move_in_one_call_of_the_core(nproc):
         assert res["not_taken"], res
         assert res["hot"] == [True] * 6 and res["late"] == [True] * 6, res
         assert "all_to_all" in res["counts"] and "all_gather" in res["mismatch"], res
+        assert res["barrier"] != "no error", res
+    assert any(res["barrier"].startswith("CollectiveMismatch") and "barrier" in res["barrier"]
+               and "all_reduce" in res["barrier"] for res in results), results
     assert any(res["mismatch"].startswith("CollectiveMismatch") and "called" in res["mismatch"]
                for res in results), results
     assert any(res["counts"].startswith("CollectiveMismatch")

@@ -22,6 +22,7 @@ How it works, module by module:
 - ``channels``: point to point, one byte ring per ordered pair of ranks, MPI-style tag
   matching with an unexpected-message queue.
 - ``group``: ``ShmGroup`` itself (waits, errors, sub-groups, lifetime).
+- ``placement``: one core per rank when the ranks outnumber the cores (``pg.bound_core``).
 - ``_native`` (``_native.c``), ``native``, ``native_ops``: the compiled core, built by
   the package's own build where a C compiler is present. It speaks the same protocol
   (same layout, phases, fingerprints, doorbells, rings) and takes over the hot loops:
@@ -41,8 +42,10 @@ sparse: pages count once written.
 Environment: ``COLLECTIVES_SHM_CHUNK_BYTES`` and ``COLLECTIVES_SHM_RING_BYTES`` are read by
 the group's leader (the others follow its header); per process ``COLLECTIVES_SHM_WAIT``
 (``futex``/``sleep``), ``COLLECTIVES_SHM_SPIN_US`` and ``COLLECTIVES_SHM_YIELD_US``
-(defaults from ``native.wait_policy``: 50 and 1000 with a core per rank, 1 and 50
-with more ranks than cores), ``COLLECTIVES_SHM_PID_CHECK`` (``0``: no pid liveness
+(defaults from ``native.wait_policy``: 50 and 1000 with a core per rank, 0 and 50
+with more ranks than cores), ``COLLECTIVES_SHM_BIND`` (``auto``: the world group binds
+each rank to one core when the ranks outnumber the cores, ``core``, ``none``; see
+``placement``), ``COLLECTIVES_SHM_PID_CHECK`` (``0``: no pid liveness
 checks), ``COLLECTIVES_SHM_NATIVE`` (``0``: the Python path).
 
 Limits: one host. On the compiled core the phases of every collective, and the messages
@@ -57,6 +60,7 @@ from __future__ import annotations
 
 from collectives.launch import Rendezvous
 
+from . import placement
 from .group import ShmGroup
 
 __all__ = ["ShmGroup", "create"]
@@ -70,5 +74,13 @@ def create(rendezvous: Rendezvous, timeout: float) -> ShmGroup:
             f"the shm backend connects the processes of one host, but this world has "
             f"{size} ranks of which {rendezvous.local_world_size} are local; use a "
             f"network backend (zmq, mpi, gloo) across hosts")
-    return ShmGroup.open(rendezvous.job_id, "world", rendezvous.rank, size, timeout,
-                         tuple(range(size)))
+    # Placed first, so that the wait policy sees where the rank will run.
+    place = placement.Placement(rendezvous.rank, size)
+    try:
+        group = ShmGroup.open(rendezvous.job_id, "world", rendezvous.rank, size, timeout,
+                              tuple(range(size)))
+    except BaseException:
+        place.release()
+        raise
+    group._placement = place
+    return group

@@ -1175,6 +1175,23 @@ static PyObject *G_move(Group *g, PyObject *const *args, Py_ssize_t nargs) {
     return status < 0 ? PyErr_NoMemory() : PyLong_FromLong(status);
 }
 
+/* barrier(opcode, seq, budget) -> status as exchange: a whole barrier hook (one empty
+ * phase) in one call, as small_all_reduce is the all_reduce's: enters the next phase
+ * (`phase`), publishes the fingerprint Python's _start would give it (no dtype, no
+ * root, 0 bytes), waits and compares. Any status but DONE: Python waits the phase out. */
+static PyObject *G_barrier(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    int opcode;
+    uint64_t seq;
+    double budget;
+    NARGS("barrier", 3);
+    if (arg_int(args[0], &opcode) < 0 || arg_u64(args[1], &seq) < 0
+        || arg_double(args[2], &budget) < 0)
+        return NULL;
+    uint64_t q = ++g->phase, fp0 = fingerprint0(opcode, 0, 0, -1, seq);
+    publish(g, q, fp0, 0);
+    return PyLong_FromLong(wait_checked(g, q, fp0, 0, budget));
+}
+
 /* bind_codes(ops, dtypes): the ReduceOp members in code order (a sequence of R_MAX) and
  * a dict numpy dtype -> dtype code, for small_all_reduce. */
 static PyObject *m_bind_codes(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
@@ -1292,7 +1309,7 @@ static void copy_out_chunk(Group *g, char *a, int bank, Py_ssize_t total, Py_ssi
  * replaces the module's, and cma_write. 3: sym_all_reduce's pushes fenced alike (its
  * CANCELED status). 4: move and small_move (the gather and scatter families' one-phase
  * moves) and all_to_all / all_to_all_take (its first phase). */
-#define CORE_REVISION 4
+#define CORE_REVISION 5
 
 /* The pipelined reduce's largest piece (reduce.py's PIECE_MAX_BYTES, checked at load):
  * a phase's copies and reduction then stay within a core's L2 (see reduce.py). */
@@ -1622,6 +1639,8 @@ static PyMethodDef Group_methods[] = {
     {"small_reduce", (PyCFunction)(void (*)(void))G_small_reduce, METH_FASTCALL,
      "small_reduce(a, q, fp0, fp1, dtype, op, result, budget, published) -> status as "
      "exchange."},
+    {"barrier", (PyCFunction)(void (*)(void))G_barrier, METH_FASTCALL,
+     "barrier(opcode, seq, budget) -> status as exchange: one empty phase, entered here."},
     {"move", (PyCFunction)(void (*)(void))G_move, METH_FASTCALL,
      "move(kind, opcode, inp, out, seq, root, op, budget) -> status as exchange, or 5: "
      "not taken (a one-phase move from its arguments alone)."},

@@ -1,13 +1,14 @@
 """``ShmGroup``: a ProcessGroup whose ranks are processes of one host sharing a segment.
 
-Waiting never burns a core for long: a few microseconds of spinning, ``sched_yield`` for
-up to a millisecond (``native.wait_policy``: longer with a core per rank, shorter when
+Waiting never burns a core for long: up to 50 microseconds of spinning (none when the
+ranks outnumber the cores), ``sched_yield`` for up to a millisecond (``native.wait_policy``: longer with a core per rank, shorter when
 oversubscribed), then sleep in the kernel on this rank's doorbell (``futex.Doorbells``), in
 slices of at most 200 ms so that the deadline and the peers' liveness (pid alive and not a
 zombie; their state word: failed or closed) are checked. The yield phase pays for itself
 because a futex wake-up costs tens of microseconds on virtual machines: two ranks that
 both went to sleep would hand each phase over through the kernel. Spinning stays short so
-that 4 ranks on 2 cores still give the CPU to the ranks that have work.
+that 4 ranks on 2 cores still give the CPU to the ranks that have work (and there the
+world group binds each rank to one core: ``placement``).
 
 Errors: a wait past ``timeout`` raises CollectiveTimeout (op, sequence number, missing
 ranks); a dead or departed peer raises PeerError naming it within about 0.3 s; after an
@@ -100,6 +101,8 @@ class ShmGroup(NativePaths, SymmetricHeap, CmaReduce, PushGuard, ReduceOps,
     """Ranks of one host communicating through one POSIX shared-memory segment."""
 
     backend = "shm"
+    #: The world group's ``placement.Placement`` (None in a sub-group).
+    _placement = None
 
     # ----------------------------------------------------------------- set-up
     @classmethod
@@ -160,6 +163,8 @@ class ShmGroup(NativePaths, SymmetricHeap, CmaReduce, PushGuard, ReduceOps,
                                               self._wait_budget), _DTYPE_CODE)
         if self._native is not None and type(self)._all_reduce is ReduceOps._all_reduce:
             self._all_reduce = self._all_reduce_hook()   # (not over a subclass's hook)
+        if self._native is not None and type(self)._barrier is CollectiveOps._barrier:
+            self._barrier = self._barrier_hook()
         self._phase = int(seg.u64[self._me_arrived])
         self._slots = [[seg.bytes[lay.slot_off(b, r):lay.slot_off(b, r) + lay.chunk]
                         for r in range(size)] for b in (0, 1)]
@@ -171,6 +176,13 @@ class ShmGroup(NativePaths, SymmetricHeap, CmaReduce, PushGuard, ReduceOps,
         self._fp0 = self._fp1 = 0
         self._close_lock = threading.Lock()
         self._owner_pid = os.getpid()   # a forked child must not speak for this rank
+
+    @property
+    def bound_core(self) -> Optional[int]:
+        """The core this rank was bound to when the world group opened (ranks
+        outnumbering cores, see ``backends.shm.placement``), or None."""
+        place = self._placement
+        return place.core if place is not None else None
 
     @property
     def wait_mode(self) -> str:
@@ -427,7 +439,7 @@ class ShmGroup(NativePaths, SymmetricHeap, CmaReduce, PushGuard, ReduceOps,
                 self._py_phase = self._native.phase   # (the counter moves back here)
             self._native = None  # releases its hold on the mapping
             self._engine.close()
-            for name in ("_send_now", "_recv_now", "_all_reduce"):
+            for name in ("_send_now", "_recv_now", "_all_reduce", "_barrier"):
                 self.__dict__.pop(name, None)   # the bound fast paths (and their cycles)
             self._typed.clear()
             self._small_cache.clear()
@@ -435,6 +447,8 @@ class ShmGroup(NativePaths, SymmetricHeap, CmaReduce, PushGuard, ReduceOps,
             self._slots = []
             self._u64 = None
             seg.close()
+            if self._placement is not None:
+                self._placement.release()
 
     def __del__(self) -> None:
         # Collected without close(): tell the peers (best effort), never raise. Not in a

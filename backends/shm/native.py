@@ -13,14 +13,16 @@ where it exists). ``pg.native`` tells which path a group uses::
     >>> collectives.spawn(which, 2, backend="shm")   # doctest: +SKIP
     [True, True]
 
-The wait policy knows the machine, as MPICH's does: with a core per rank
-(``os.sched_getaffinity`` holds at least as many cores as the group has ranks) a waiter
-spins for 50 us and then polls between ``sched_yield`` calls for 1 ms before it sleeps in
-the kernel, since a futex wake-up costs tens of microseconds on a virtual machine and a
-yield with nothing else to run returns at once; with more ranks than cores (4 ranks on
-2 cores) it spins for 1 us and yields for 50 us, so the ranks that have work get the
-CPU. ``COLLECTIVES_SHM_SPIN_US`` / ``COLLECTIVES_SHM_YIELD_US`` override both;
-``python benchmarks/shm_wait_policy.py [--nproc N]`` times several side by side.
+The wait policy knows the machine, as MPICH's does: with a core per rank (the cores this
+process may use, ``os.sched_getaffinity``, at least as many as the ranks of the world on
+this host: ``placement.host_ranks``) a waiter spins for 50 us and then polls between
+``sched_yield`` calls for 1 ms before it sleeps in the kernel, since a futex wake-up
+costs tens of microseconds on a virtual machine and a yield with nothing else to run
+returns at once; with more ranks than cores (4 ranks on 2 cores) it does not spin at all
+and yields for 50 us, since the rank it waits for may need this very core (and the world
+group binds each rank to one core: ``placement``). ``COLLECTIVES_SHM_SPIN_US`` /
+``COLLECTIVES_SHM_YIELD_US`` override both; ``python benchmarks/shm_wait_policy.py
+[--nproc N]`` times several side by side.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from typing import Optional
 
 from collectives.environment import env_number
 
+from . import placement
+
 #: ``0`` forces the Python path; anything else uses the compiled core where it exists.
 NATIVE_ENV = "COLLECTIVES_SHM_NATIVE"
 SPIN_ENV = "COLLECTIVES_SHM_SPIN_US"
@@ -39,11 +43,11 @@ YIELD_ENV = "COLLECTIVES_SHM_YIELD_US"
 
 #: (spin, yield) microseconds: with a core per rank, and oversubscribed.
 DEDICATED_WAIT_US = (50, 1000)
-OVERSUBSCRIBED_WAIT_US = (1, 50)
+OVERSUBSCRIBED_WAIT_US = (0, 50)
 
 #: The revision of the core's calls this package makes (``CORE_REVISION`` in _native.c,
 #: the last entry of its ``LAYOUT``): a build of another revision is refused at load.
-CORE_REVISION = 4
+CORE_REVISION = 5
 
 _module: Optional[ModuleType] = None
 _load_error: Optional[str] = None
@@ -114,16 +118,14 @@ def wait_policy(size: int) -> tuple[float, float]:
     >>> spin > 0 and yld > 0
     True
     """
-    spin_us, yield_us = DEDICATED_WAIT_US if host_cores() >= size else OVERSUBSCRIBED_WAIT_US
+    dedicated = host_cores() >= placement.host_ranks(size)
+    spin_us, yield_us = DEDICATED_WAIT_US if dedicated else OVERSUBSCRIBED_WAIT_US
     return env_number(SPIN_ENV, spin_us) * 1e-6, env_number(YIELD_ENV, yield_us) * 1e-6
 
 
 def host_cores() -> int:
-    """Cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    """Cores this process's ranks share (before ``placement`` bound it to one)."""
+    return placement.host_cores()
 
 
 class NativeDoorbells:

@@ -31,7 +31,7 @@ from . import segment as sg
 from .channels import RecvOp
 from .cma import CMA_ENV, cma_from_bytes
 from .native import NativeDoorbells, native_module, wait_policy
-from .ops import (_DTYPE_CODE, _REDOP_BY_ID, OP_ALL_GATHER, OP_ALL_REDUCE,
+from .ops import (_DTYPE_CODE, _REDOP_BY_ID, OP_ALL_GATHER, OP_ALL_REDUCE, OP_BARRIER,
                   OP_ALL_TO_ALL, OP_BROADCAST, OP_GATHER, OP_REDUCE_SCATTER, OP_SCATTER,
                   CollectiveOps, fingerprint)
 from .reduce import ReduceOps
@@ -350,6 +350,41 @@ class NativePaths:
                     return slow(a, op, seq)
                 self._small_all_reduce_waits(a, op, seq, status)
         return all_reduce
+
+    def _barrier_hook(self) -> Callable[[int], None]:
+        """The barrier hook on the core, bound as ``_all_reduce_hook``'s is: one call of
+        the core (``barrier``) enters, publishes and waits for the empty phase; Python
+        only where point to point is in flight or the group failed (``ops._barrier``),
+        or for a wait that outlasts the core's budget (``_barrier_waits``)."""
+        barrier = self._native.barrier
+        DONE, engine, slow = self._DONE, self._engine, self._barrier
+
+        def hook(seq: int) -> None:
+            if engine.pending or self._broken is not None:
+                return slow(seq)
+            try:
+                status = barrier(OP_BARRIER, seq, self._wait_budget)
+            except BaseException as exc:
+                self._fail(exc)
+                raise
+            if status != DONE:
+                self._barrier_waits(seq, status)
+        return hook
+
+    def _barrier_waits(self, seq: int, status: int) -> None:
+        """After the core's ``barrier`` came back without its phase done: set the
+        group's state as ``ops._start`` would, wait the phase out, or raise."""
+        try:
+            self._start(OP_BARRIER, seq)
+            q, core, fp0, fp1 = self._phase, self._native, self._fp0, self._fp1
+            if status != self._MISMATCH:
+                status = self._settle(q, lambda b: core.exchange(q, fp0, fp1, b, True),
+                                      status)
+            if status == self._MISMATCH:
+                self._mismatch(q)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
 
     def _small_all_reduce_state(self, a: np.ndarray, op: ReduceOp, seq: int) -> tuple:
         """What ``small_all_reduce`` entered its phase with, into the group's state for
