@@ -1,9 +1,10 @@
 """``ShmGroup``: a ProcessGroup whose ranks are processes of one host sharing a segment.
 
 Waiting never burns a core for long: up to 50 microseconds of spinning (none when the
-ranks outnumber the cores), ``sched_yield`` for up to a millisecond (``native.wait_policy``: longer with a core per rank, shorter when
-oversubscribed), then sleep in the kernel on this rank's doorbell (``futex.Doorbells``), in
-slices of at most 200 ms so that the deadline and the peers' liveness (pid alive and not a
+ranks outnumber the cores), ``sched_yield`` for up to a millisecond
+(``native.wait_policy``: longer with a core per rank, shorter when oversubscribed), then
+sleep in the kernel on this rank's doorbell (``futex.Doorbells``), in slices of at most
+200 ms so that the deadline and the peers' liveness (pid alive and not a
 zombie; their state word: failed or closed) are checked. The yield phase pays for itself
 because a futex wake-up costs tens of microseconds on virtual machines: two ranks that
 both went to sleep would hand each phase over through the kernel. Spinning stays short so

@@ -118,14 +118,9 @@ def wait_policy(size: int) -> tuple[float, float]:
     >>> spin > 0 and yld > 0
     True
     """
-    dedicated = host_cores() >= placement.host_ranks(size)
+    dedicated = placement.host_cores() >= placement.host_ranks(size)
     spin_us, yield_us = DEDICATED_WAIT_US if dedicated else OVERSUBSCRIBED_WAIT_US
     return env_number(SPIN_ENV, spin_us) * 1e-6, env_number(YIELD_ENV, yield_us) * 1e-6
-
-
-def host_cores() -> int:
-    """Cores this process's ranks share (before ``placement`` bound it to one)."""
-    return placement.host_cores()
 
 
 class NativeDoorbells:

@@ -118,9 +118,15 @@ class NativePaths:
             status = core.exchange(q, fp0, fp1, 0.0, False)
         else:
             status = core.exchange(q, fp0, fp1, min(_LIVENESS_EVERY, self.timeout), False)
-        if status != self._DONE:
-            status = self._settle(q, lambda budget: core.exchange(q, fp0, fp1, budget, True),
-                                  status)
+        if status != self._DONE:   # (the hot path returns here, past no other frame)
+            self._wait_out(q, fp0, fp1, status)
+
+    def _wait_out(self, q: int, fp0: int, fp1: int, status: int) -> None:
+        """Phase q, published with ``(fp0, fp1)``, after the core came back with
+        ``status`` other than DONE: wait it out (``_settle``) and raise on a mismatch."""
+        core = self._native
+        status = self._settle(q, lambda budget: core.exchange(q, fp0, fp1, budget, True),
+                              status)
         if status == self._MISMATCH:
             self._mismatch(q)
 
@@ -376,12 +382,7 @@ class NativePaths:
         group's state as ``ops._start`` would, wait the phase out, or raise."""
         try:
             self._start(OP_BARRIER, seq)
-            q, core, fp0, fp1 = self._phase, self._native, self._fp0, self._fp1
-            if status != self._MISMATCH:
-                status = self._settle(q, lambda b: core.exchange(q, fp0, fp1, b, True),
-                                      status)
-            if status == self._MISMATCH:
-                self._mismatch(q)
+            self._wait_out(self._phase, self._fp0, self._fp1, status)
         except BaseException as exc:
             self._fail(exc)
             raise
@@ -473,12 +474,8 @@ class NativePaths:
             if status == self._DONE:
                 self._phase = q0 + j - 1   # the last step's phase
                 return
-            q = self._phase = q0 + j
-            if status != self._MISMATCH:
-                status = self._settle(q, lambda b: core.exchange(q, fp0, fp1, b, True),
-                                      status)
-            if status == self._MISMATCH:
-                self._mismatch(q)
+            self._phase = q0 + j
+            self._wait_out(q0 + j, fp0, fp1, status)
             j += 1
 
 
