@@ -57,7 +57,7 @@ def zmq_rank(sizes: list[int], small: int, large: int) -> dict:
         pg.all_reduce(t)
         wrong = not bool((t == pg.size * (pg.size + 1) / 2).all())
         out[nbytes] = (statistics.median(times), wrong)
-    info = {"auth": pg.auth_mode, "endpoints": pg.endpoints}
+    info = {"auth": pg.auth_mode, "endpoints": pg.endpoints, "malloc": pg.malloc}
     pg.close()
     return {"times": out, "info": info} if pg.rank == 0 else {}
 
@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     eps = result["info"]["endpoints"]
                     tr = "ipc" if "ipc" in eps and os.environ.get(
                         "COLLECTIVES_ZMQ_TRANSPORT") != "tcp" else "tcp"
-                    extra = f" ({result['info']['auth']} auth, {tr})"
+                    info = result["info"]
+                    extra = f" ({info['auth']} auth, {tr}, malloc {info['malloc']})"
                 print(f"# run {rep + 1}/{args.repeat} {impl} x{n}{extra}: "
                       f"{time.time() - t0:.1f} s", file=sys.stderr)
         for (impl, nbytes), got in runs.items():

@@ -31,7 +31,10 @@ KiB up; tensors of at most 8 KiB travel as one INLINE frame (header and bytes to
 one send and one receive call fewer). Tensors above 4 MiB travel as several such
 messages, which the receiver copies into place one by one while the next is on the wire
 (or, in a large all_reduce's reduce-scatter, reduces straight out of the received frames:
-no copy). Tensor traffic is never pickled.
+no copy). Tensor traffic is never pickled. libzmq mallocs a buffer for every frame it
+receives; so that these come from a heap that stays mapped instead of fresh pages, the
+backend sets glibc's mmap and trim thresholds once per process (``COLLECTIVES_ZMQ_MALLOC``,
+``pg.malloc``; see :mod:`backends.zeromq.heap`).
 A receiver compares each header with what it expects (op, sequence number, dtype, element
 and byte counts, root, reduce op) and raises ``CollectiveMismatch`` naming both sides; it
 also notices a peer that is already in a later collective, or that sent a message for a

@@ -38,7 +38,7 @@ import zmq
 from collectives.environment import env_number
 from collectives.errors import CollectiveError, CollectiveTimeout, PeerError
 
-from . import auth, wire
+from . import auth, heap, wire
 from .addresses import (IpcDir, bind_ip, host_key, ipc_identity, resolve_master, tcp_endpoint,
                         use_ipc)
 from .wire import Kind
@@ -153,6 +153,7 @@ class Connector:
             if self.mode == "file":
                 auth.write_key_file(self._key_path, self._key)
 
+        self.malloc = heap.keep_receive_buffers(env)  # before libzmq's first receive
         self._ctx = zmq.Context(io_threads=max(1, env_number(IO_THREADS_ENV, 1, env=env)))
         self._ctx.setsockopt(zmq.LINGER, 0)
         _note_gc_state()

@@ -101,6 +101,7 @@ class Engine(Connector):
         self.endpoints: dict[str, str] = {}
         self.connections: dict[int, str] = {}
         self.mode = "local"
+        self.malloc = "system"  # a world of one receives nothing (see heap.py)
         self._key: Optional[bytes] = None
         self.table: list[dict] = []
         if self.size > 1:

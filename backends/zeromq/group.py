@@ -94,6 +94,13 @@ class ZmqGroup(ProcessGroup):
                 if w in self._members}
 
     @property
+    def malloc(self) -> str:
+        """What this process's zmq backend did to glibc's malloc thresholds so that
+        libzmq's receive buffers are reused instead of faulted in afresh: ``"kept"``,
+        ``"system"``, ``"user"`` or ``"unsupported"`` (see :mod:`backends.zeromq.heap`)."""
+        return self._engine.malloc
+
+    @property
     def stats(self) -> dict:
         """Counters: messages rejected before authentication, failed proofs, refusals,
         messages that arrived before their receive was posted."""
