@@ -5,7 +5,6 @@ process can say no (``COLLECTIVES_ZMQ_MALLOC=system``) or have chosen its own th
 from __future__ import annotations
 
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -18,8 +17,9 @@ zmq = pytest.importorskip("zmq")
 
 from backends.zeromq import heap  # noqa: E402
 
+GLIBC = heap.is_glibc()
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GLIBC = platform.libc_ver()[0] == "glibc"
 LARGE = 16 << 20  # bytes: four frames of wire.FRAME_MAX per direction and phase
 
 

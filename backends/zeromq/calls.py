@@ -3,7 +3,8 @@ group, name, sequence number, signature, deadline), a posted receive (``_Recv``)
 message that arrived before its receive (``_Msg``), a tensor whose first parts arrived
 (``_Partial``), a group's matching state (``_GroupState``), the Works of sends and
 receives, and how call signatures are compared and described in errors. The engine
-itself (matching, progress, liveness) is :mod:`backends.zeromq.engine`.
+itself is :mod:`backends.zeromq.engine`, its matching :mod:`backends.zeromq.matching` and
+its progress :mod:`backends.zeromq.progress`.
 """
 
 from __future__ import annotations

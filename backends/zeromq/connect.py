@@ -102,7 +102,7 @@ _gc_was_running: Optional[bool] = None
 
 
 class Connector:
-    """The start-up half of :class:`~backends.zeromq.engine.Engine`."""
+    """The start-up part of :class:`~backends.zeromq.engine.Engine`."""
 
     def _socket_options(self, sock: zmq.Socket, ipv6: bool) -> None:
         hb = self._heartbeat_s

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import platform
 import threading
 from typing import Mapping, Optional
 
@@ -71,7 +70,7 @@ def keep_receive_buffers(env: Optional[Mapping[str, str]] = None) -> str:
             return "system"  # not remembered: a later group may still ask to keep
         if _user_chose(env):
             _state = "user"
-        elif platform.libc_ver()[0] != "glibc":
+        elif not is_glibc():
             _state = "unsupported"
         else:
             mallopt = ctypes.CDLL(None).mallopt
@@ -82,6 +81,14 @@ def keep_receive_buffers(env: Optional[Mapping[str, str]] = None) -> str:
                 mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
             _state = "kept" if ok else "unsupported"
         return _state
+
+
+def is_glibc() -> bool:
+    """The C library is glibc (the only one with these thresholds)."""
+    try:
+        return (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
+    except (ValueError, OSError, AttributeError):  # no such name here (musl, macOS)
+        return False
 
 
 def _user_chose(env: Mapping[str, str]) -> bool:
