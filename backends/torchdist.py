@@ -57,154 +57,46 @@ interpreter finalises: a gloo worker that drops the last reference to a tensor v
 numpy array must take the GIL, and doing that during finalisation aborts the process
 ("terminate called without an active exception", about 1 run in 10 on torch 2.13 CPU).
 
-NCCL tensors stay on the device: :meth:`NcclGroup._to_host` hands the hooks CUDA tensors
-(staging host or other-device arguments through ``cuda:LOCAL_RANK``), and waits block the
-host (``TORCH_NCCL_BLOCKING_WAIT=1`` unless set) so ``Work.wait`` re-raises errors.
-NCCL ignores send/recv tags: messages between a pair match in posting order.
+The NCCL group and the ``nccl`` and ``torch`` factories are in :mod:`backends.torch_nccl`
+(provided here too, imported on first use); the conversion of arguments to tensors, byte
+views, c10d options and tags in :mod:`backends.torch_tensors`; the failure diagnosis (a
+member on this host that died, the ranks that never arrived) in :mod:`backends.torch_failures`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import datetime
-import os
-import socket
 import threading
 import time
-import warnings
-from typing import Any, Callable, NoReturn, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-import ml_dtypes
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from collectives.buffers import HostBuffer, to_host
-from collectives.errors import CollectiveError, CollectiveTimeout, PeerError
+from collectives.errors import CollectiveError, CollectiveTimeout
 from collectives.errors import where as _where
-from collectives.algorithms.links import fold_tag
 from collectives.group import ProcessGroup
-from collectives.lifetime import close_at_exit, forget_at_exit, process_alive
+from collectives.lifetime import close_at_exit, forget_at_exit
 from collectives.launch import Rendezvous
 from collectives.reduce_op import ReduceOp, finish
 from collectives.work import Work
 
-from .torch_meeting import _construct, _first_line, _Meeting, _world_store
-from .torch_work import _WATCH_INTERVAL, TorchWork, _is_watch_timeout
+from .torch_failures import _FailureDiagnosis, _keep_forever, _unsupported
+from .torch_meeting import _construct, _Meeting, _world_store
+from .torch_tensors import (_ALLREDUCE_OPTS, _ALLTOALL_OPTS, _BARRIER_OPTS, _C10D_OP,
+                            _REDUCE_SCATTER_OPTS, _TORCH_DTYPES, _WIDEN, _bytes, _conflict,
+                            _numpy, _options, _parts, _span, _tensor, _wire_tag)
+from .torch_work import TorchWork
 
-try:
-    from numpy.lib.array_utils import byte_bounds as _byte_bounds
-except ImportError:  # numpy < 2
-    _byte_bounds = np.byte_bounds
+__all__ = ["TorchGroup", "TorchWork", "create_gloo"]
 
-__all__ = ["TorchGroup", "NcclGroup", "TorchWork", "create_gloo", "create_nccl",
-           "create_auto"]
-
-_C10D_OP = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVG: dist.ReduceOp.SUM,
-            ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT, ReduceOp.MIN: dist.ReduceOp.MIN,
-            ReduceOp.MAX: dist.ReduceOp.MAX}
-
-#: The torch dtypes of ``collectives.buffers.SUPPORTED_DTYPES``.
-_TORCH_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64,
-                           torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64,
-                           torch.bool))
-
-#: Dtypes neither gloo nor NCCL reduces, and the dtype they are reduced in instead.
-_WIDEN = {torch.int16: torch.int32}
-
-_MAX_C10D_TAG = 1 << 31
-_FOLDED_TAG_BASE = 1 << 30
-
-
-def _options(cls: Any, **fields: Any) -> Any:
-    opts = cls()
-    for name, value in fields.items():
-        setattr(opts, name, value)
-    return opts
-
-
-# Options objects are copied by c10d on every call; build the constant ones once.
-_ALLREDUCE_OPTS = {op: _options(dist.AllreduceOptions, reduceOp=c) for op, c in _C10D_OP.items()}
-_REDUCE_SCATTER_OPTS = {op: _options(dist.ReduceScatterOptions, reduceOp=c)
-                        for op, c in _C10D_OP.items()}
-_ALLTOALL_OPTS = dist.AllToAllOptions()
-_BARRIER_OPTS = dist.BarrierOptions()
-#: After a timeout, how long to wait for the other ranks to report theirs (the ranks
-#: that do not are named as missing).
-_TIMEOUT_REPORT_GRACE = 1.0
-
-
-# ---------------------------------------------------------------------------- tensors
-def _tensor(a: Any) -> torch.Tensor:
-    """``a`` as a flat torch tensor sharing its memory (a numpy array or a tensor)."""
-    if isinstance(a, torch.Tensor):
-        return a if a.dim() == 1 else a.reshape(-1)
-    if a.dtype == ml_dtypes.bfloat16:
-        return _from_numpy(a.view(np.uint16)).view(torch.bfloat16).reshape(-1)
-    return _from_numpy(a).reshape(-1)
-
-
-def _numpy(t: torch.Tensor) -> np.ndarray:
-    """The numpy view of a CPU tensor (bfloat16 as ``ml_dtypes.bfloat16``)."""
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
-
-
-def _from_numpy(a: np.ndarray) -> torch.Tensor:
-    if a.flags.writeable:
-        return torch.from_numpy(a)
-    # An input the caller passed read-only: torch warns that it cannot mark the tensor
-    # read-only; the transports only read inputs.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(a)
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """A uint8 view: data-moving collectives carry every dtype as raw bytes."""
-    if t.dtype == torch.uint8:
-        return t
-    if t.numel() <= 1 and t.stride(-1) != 1:
-        # numpy calls an array of 0 or 1 element contiguous whatever its stride
-        t = t.as_strided((t.numel(),), (1,))
-    return t.view(torch.uint8)
-
-
-def _span(obj: Any, write: bool) -> tuple:
-    """(device, first byte, end, written) of the memory an argument occupies."""
-    if isinstance(obj, np.ndarray):
-        lo, hi = _byte_bounds(obj) if obj.size else (0, 0)
-        return ("cpu", lo, hi, write)
-    if obj.numel() == 0:
-        return ("cpu", 0, 0, write)
-    last = sum((n - 1) * s for n, s in zip(obj.shape, obj.stride()))
-    lo = obj.data_ptr()
-    return (str(obj.device), lo, lo + (last + 1) * obj.element_size(), write)
-
-
-def _conflict(a: list, b: list) -> bool:
-    """Whether two operations' memory overlaps where at least one of them writes."""
-    return any(da == db and la < hb and lb < ha and (wa or wb)
-               for da, la, ha, wa in a for db, lb, hb, wb in b)
-
-
-def _parts(t: torch.Tensor, n: int) -> list[torch.Tensor]:
-    """``t`` cut into ``n`` equal consecutive views."""
-    k = t.numel() // n
-    return [t.narrow(0, r * k, k) for r in range(n)]
-
-
-def _wire_tag(tag: int) -> int:
-    """A c10d tag (a C int) for a tag of this library (below 2**63)."""
-    if tag < _MAX_C10D_TAG:
-        return tag
-    return _FOLDED_TAG_BASE | fold_tag(tag, 30)
 
 
 # ----------------------------------------------------------------------------- groups
-class TorchGroup(ProcessGroup):
-    """A ProcessGroup over a c10d ``ProcessGroupGloo`` (and base of :class:`NcclGroup`).
+class TorchGroup(_FailureDiagnosis, ProcessGroup):
+    """A ProcessGroup over a c10d ``ProcessGroupGloo`` (and base of :class:`backends.torch_nccl.NcclGroup`).
 
     Two ranks, from ``collectives.spawn(main, 2, backend="gloo")`` or
     ``torchrun --nproc-per-node 2 script.py``::
@@ -321,129 +213,10 @@ class TorchGroup(ProcessGroup):
             if _conflict(work._spans, spans):
                 work._finish()  # its error, if any, stays with it for its own wait()
 
-    # ------------------------------------------------------------- failure diagnosis
-    def _exchange_pids(self) -> dict[int, int]:
-        """Every member publishes ``host pid`` in the store; returns group rank -> pid
-        of the other members on this host (empty for a world of one or NCCL, whose
-        waits are not watched). Lets a rank name a peer that died (`_dead_peers`)."""
-        if self.size == 1 or self.backend != "gloo" or self._store is None:
-            return {}
-        key = f"{self._prefix}collectives-pid/"
-        host = socket.gethostname()
-        self._store.set(f"{key}{self.rank}", f"{host} {os.getpid()}")
-        pids = {}
-        for r in range(self.size):
-            if r != self.rank:
-                peer_host, _, pid = self._store.get(f"{key}{r}").decode().rpartition(" ")
-                if peer_host == host:
-                    pids[r] = int(pid)
-        return pids
-
-    def _dead_peers(self) -> list[int]:
-        """Group ranks on this host whose process has ended."""
-        return [r for r, pid in self._local_pids.items() if not process_alive(pid)]
-
-    def _wait(self, w: Any, op: str, seq: int, peer: int = -1) -> None:
-        """``w.wait()``, raising :class:`PeerError` as soon as a member of the group on
-        this host dies (checked every ``_WATCH_INTERVAL``).
-
-        A send or receive (``seq < 0``, ``peer >= 0``) is waited on whole: a sliced wait on one that
-        times out closes gloo's connection (see :class:`TorchWork`). Its peer's death
-        still ends it at once, as a closed connection (``_translate`` names the rank).
-        """
-        if not self._local_pids or (seq < 0 and peer >= 0):
-            w.wait()
-            return
-        while True:
-            try:
-                w.wait(_WATCH_INTERVAL)
-                return
-            except RuntimeError as exc:
-                if not _is_watch_timeout(exc):
-                    raise  # gloo's own error (or its group timeout): see _translate
-                dead = self._dead_peers()
-                if dead:
-                    # gloo still runs it and holds its tensors: if its thread dropped the
-                    # last reference while the interpreter exits, the process would abort.
-                    _keep_forever(w)
-                    raise PeerError(f"{self._describe(op, seq)}: rank {dead[0]} died "
-                                    f"(its process {self._local_pids[dead[0]]} has ended)",
-                                    peer=dead[0]) from None
-
-    def _timed_out_with(self, seq: int) -> list[int]:
-        """After a timeout in collective ``seq``: the ranks that did not report a timeout
-        in it too within ``_TIMEOUT_REPORT_GRACE`` (they never arrived). Through the
-        store; empty when the store cannot be reached."""
-        store = self._store
-        if store is None or self.size == 1:
-            return []
-        key = f"{self._prefix}collectives-timeout/{seq}/"
-        try:
-            store.set(f"{key}{self.rank}", "1")
-            deadline = time.monotonic() + _TIMEOUT_REPORT_GRACE
-            while True:
-                missing = [r for r in range(self.size) if not store.check([f"{key}{r}"])]
-                if not missing or time.monotonic() >= deadline:
-                    return missing
-                time.sleep(0.05)
-        except RuntimeError:  # the store's host is gone
-            return []
-
     def _c10d(self, op: str) -> Any:
         if self._pg is None:
             raise CollectiveError(f"{self._where(op)}: the group is closed")
         return self._pg
-
-    def _translate(self, exc: BaseException, op: str, seq: int, peer: int = -1) -> BaseException:
-        """A typed error of this library for a torch/gloo/NCCL error of operation ``op``."""
-        if isinstance(exc, CollectiveError) or not isinstance(exc, RuntimeError):
-            return exc
-        where = self._describe(op, seq)
-        detail = _first_line(exc)
-        low = detail.lower()
-        dead = self._dead_peers()
-        if not dead and self._local_pids and any(s in low for s in _PEER_GONE):
-            # The kernel closes a killed process's sockets before it has ended: give it
-            # a moment, so that the error names the rank.
-            deadline = time.monotonic() + 0.5
-            while not dead and time.monotonic() < deadline:
-                time.sleep(0.01)
-                dead = self._dead_peers()
-        missing = self._timed_out_with(seq) if not dead and seq >= 0 and (
-            "timed out" in low or "timeout" in low) and "pair closure" not in low else []
-        if dead:
-            error: BaseException = PeerError(
-                f"{where}: rank {dead[0]} died (its process {self._local_pids[dead[0]]} "
-                f"has ended): {detail}", peer=dead[0])
-        elif missing:
-            names = ", ".join(map(str, missing))
-            error = CollectiveTimeout(
-                f"{where}: did not complete within the group timeout of {self.timeout:g} s: "
-                f"rank{'s' if len(missing) > 1 else ''} {names} did not arrive ({detail})",
-                op=op, seq=seq, missing=missing)
-        elif "pair closure" in low:
-            error = CollectiveTimeout(
-                f"{where}: an earlier operation of this group timed out and gloo closed its "
-                f"connections; the group cannot be used any more ({detail})",
-                op=op, seq=seq)
-        elif any(s in low for s in _PEER_GONE):
-            error = PeerError(f"{where}: a peer closed its connection (did a rank exit or "
-                              f"crash?): {detail}", peer=peer)
-        elif "timed out" in low or "timeout" in low:
-            error = CollectiveTimeout(
-                f"{where}: did not complete within the group timeout of {self.timeout:g} s"
-                f"{f'; rank {peer} did not answer' if peer >= 0 else ''} ({detail})",
-                op=op, seq=seq, missing=(peer,) if peer >= 0 else ())
-        else:
-            error = CollectiveError(f"{where}: {detail}")
-        error.__cause__ = exc
-        return error
-
-    def _reraise(self, exc: RuntimeError, op: str, seq: int, peer: int = -1) -> NoReturn:
-        error = self._translate(exc, op, seq, peer)
-        if error is exc:
-            raise exc
-        raise error from exc
 
     def _issue(self, work: Any, op: str, seq: int,
                then: Optional[Callable[[], None]] = None, keep: Sequence[Any] = ()) -> TorchWork:
@@ -644,76 +417,6 @@ class TorchGroup(ProcessGroup):
             meeting.release(broken=broken)
 
 
-class NcclGroup(TorchGroup):
-    """A ProcessGroup over a c10d ``ProcessGroupNCCL`` on ``cuda:LOCAL_RANK``.
-
-    The hooks receive CUDA tensors on this group's device (see :meth:`_to_host`), so CUDA
-    tensors go to NCCL without a trip through host memory. CPU tensors and numpy arrays are
-    accepted too, staged through the device.
-    """
-
-    backend = "nccl"
-    #: NCCL's reduce-scatter moves (n-1)/n of the data all_reduce does, and its waits
-    #: are not watched (see `_exchange_pids`).
-    _native_reduce_scatter = True
-
-    def __init__(self, rank: int, size: int, *, timeout: float, c10d: Any, store: Any,
-                 prefix: str, device: torch.device) -> None:
-        super().__init__(rank, size, timeout=timeout, c10d=c10d, store=store, prefix=prefix)
-        self.device = device
-
-    @classmethod
-    def _make_c10d(cls, store: Any, rank: int, size: int, timeout: float,
-                   device: Optional[torch.device] = None) -> Any:
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = datetime.timedelta(seconds=timeout)
-        opts.is_high_priority_stream = False
-        return dist.ProcessGroupNCCL(store, rank, size, opts)
-
-    @classmethod
-    def _connect(cls, rendezvous: Rendezvous, timeout: float, **extra: Any) -> "TorchGroup":
-        if not _nccl_usable():
-            where = _where(rendezvous.rank, rendezvous.world_size, "init_process_group")
-            raise RuntimeError(f"{where}: backend 'nccl' needs CUDA and a torch build with "
-                               f"NCCL; use 'gloo' (or 'torch', which picks it)")
-        device = torch.device("cuda", rendezvous.local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        # Work.wait() must block the host and raise NCCL's errors, as on every backend.
-        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
-        return super()._connect(rendezvous, timeout, device=device)
-
-    def _sub_group_extra(self) -> dict:
-        return {"device": self.device}
-
-    def _to_host(self, obj: Any, *, where: str, arg: str, write: bool) -> HostBuffer:
-        """Device memory on ``self.device`` for argument ``arg``: the tensor itself when it
-        is a contiguous CUDA tensor there, otherwise a device copy written back after the
-        operation when ``write``."""
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cuda":
-            if obj.dtype not in _TORCH_DTYPES:
-                raise TypeError(f"{where}: argument `{arg}` has unsupported dtype {obj.dtype}")
-            src = obj.detach()
-            if src.device == self.device and src.is_contiguous() and not src.is_neg() \
-                    and not src.is_conj():
-                return HostBuffer(src)
-            staged = torch.empty(src.shape, dtype=src.dtype, device=self.device)
-            staged.copy_(src)
-            return HostBuffer(staged, (lambda d: src.copy_(d)) if write else None)
-        host = to_host(obj, where=where, arg=arg, write=write)  # checks; host staging
-        staged = _tensor(host.array).to(self.device).reshape(host.array.shape)
-
-        def writeback(d: torch.Tensor, host: HostBuffer = host) -> None:
-            _tensor(host.array).copy_(d.reshape(-1))  # device -> host, synchronous
-            host.commit()
-
-        return HostBuffer(staged, writeback if write else None)
-
-    def _barrier(self, seq: int) -> TorchWork:
-        t = torch.zeros(1, device=self.device)
-        return self._issue(self._c10d("barrier").allreduce([t], _ALLREDUCE_OPTS[ReduceOp.SUM]),
-                           "barrier", seq, keep=[t])
-
-
 # --------------------------------------------------------------------------- factories
 def create_gloo(rendezvous: Rendezvous, timeout: float) -> TorchGroup:
     """The world group over gloo (registry name ``gloo``)."""
@@ -721,37 +424,6 @@ def create_gloo(rendezvous: Rendezvous, timeout: float) -> TorchGroup:
         raise RuntimeError("backend 'gloo': this torch build has no gloo "
                            "(torch.distributed.is_gloo_available() is False)")
     return TorchGroup._connect(rendezvous, timeout)
-
-
-def create_nccl(rendezvous: Rendezvous, timeout: float) -> TorchGroup:
-    """The world group over NCCL on ``cuda:LOCAL_RANK`` (registry name ``nccl``)."""
-    return NcclGroup._connect(rendezvous, timeout)
-
-
-def create_auto(rendezvous: Rendezvous, timeout: float) -> TorchGroup:
-    """``nccl`` where CUDA and NCCL are usable here, otherwise ``gloo`` (name ``torch``)."""
-    return create_nccl(rendezvous, timeout) if _nccl_usable() else create_gloo(rendezvous, timeout)
-
-
-def _nccl_usable() -> bool:
-    return (dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available()
-            and torch.cuda.device_count() > 0)
-
-
-_PEER_GONE = ("closed by peer", "connection reset", "broken pipe", "connection refused",
-              "connection closed", "end of file", "socket closed")
-
-
-def _keep_forever(obj: Any) -> None:
-    """Leak one reference to ``obj`` on purpose, so that it is never destroyed, not even
-    when the interpreter exits: for torch objects whose destructor would block on (or
-    abort in) a gloo thread stuck on a dead peer."""
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
-
-
-def _unsupported(exc: BaseException) -> bool:
-    low = str(exc).lower()
-    return "not supported" in low or "does not support" in low or "unsupported" in low
 
 
 def _shutdown(pg: Any) -> None:

@@ -23,8 +23,8 @@ _BUILTIN: dict[str, tuple[str, str | None]] = {
     "zmq": ("backends.zeromq:create", "zmq"),
     "mpi": ("backends.mpi:create", "mpi4py"),
     "gloo": ("backends.torchdist:create_gloo", "torch"),
-    "nccl": ("backends.torchdist:create_nccl", "torch"),
-    "torch": ("backends.torchdist:create_auto", "torch"),
+    "nccl": ("backends.torch_nccl:create_nccl", "torch"),
+    "torch": ("backends.torch_nccl:create_auto", "torch"),
 }
 
 _INSTALL_HINT = {"zmq": "pip install 'collectives[zmq]'", "mpi": "pip install 'collectives[mpi]'"}

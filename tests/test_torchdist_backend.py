@@ -527,9 +527,9 @@ def test_registry_lists_gloo_and_torch():
     names = collectives.available_backends()
     assert "gloo" in names and "torch" in names
     assert ("nccl" in names) == torch.cuda.is_available()
-    from backends import torchdist
+    from backends import torch_nccl, torchdist
     assert collectives.get_backend("gloo") is torchdist.create_gloo
-    assert collectives.get_backend("torch") is torchdist.create_auto
+    assert collectives.get_backend("torch") is torch_nccl.create_auto
 
 
 def test_wire_tags_fit_a_c_int():
