@@ -193,11 +193,19 @@ def test_default_algorithms_over_zmq_point_to_point():
 
 # ------------------------------------------------------------- the fast paths' edges
 def _job_reduce_from_received_parts():
-    """Large all_reduce (reduce-scatter read straight from the received parts): random
+    """Large all_reduce read straight from the received parts (two ranks' one round up to
+    PAIR_ONE_ROUND_BYTES, reduce-scatter + all-gather above it and at three ranks): random
     floats, a late rank (its peers' parts arrive before it posts its receives, so they
     wait as unexpected messages), several dtypes and AVG."""
+    from backends.zeromq import native
     pg = collectives.init_process_group()
     r, n = pg.rank, pg.size
+    taken = []  # the algorithm each call took
+    for name in ("pair_all_reduce", "direct_rsag_all_reduce"):
+        def counted(*args, _name=name, _fn=getattr(native, name)):
+            taken.append(_name)
+            return _fn(*args)
+        setattr(native, name, counted)
     out = []
     for count, dtype, op, late in [(3 * 300_001, np.float32, ReduceOp.SUM, 1),
                                    (1_048_576 * 3 + 7, np.float32, ReduceOp.AVG, 0),
@@ -209,15 +217,19 @@ def _job_reduce_from_received_parts():
         if r == late:
             time.sleep(0.3)
         pg.all_reduce(a, op=op)
-        # the documented order: chunk j's owner folds its own part first, then the others
-        # in rank order; every rank receives the owner's bits
-        bounds = [count * j // n for j in range(n + 1)]
-        expect = np.empty(count, dtype)
-        for j in range(n):
-            lo, hi = bounds[j], bounds[j + 1]
-            expect[lo:hi] = reduce_arrays(op, [ins[j][lo:hi]] + [ins[p][lo:hi] for p in range(n)
-                                                                  if p != j])
-        out.append((count, _same(a, expect), hashlib.sha256(a.tobytes()).hexdigest()))
+        pair = n == 2 and a.nbytes <= native.PAIR_ONE_ROUND_BYTES
+        if pair:  # the documented order: a0 op a1 on both ranks
+            expect = reduce_arrays(op, ins)
+        else:  # chunk j's owner folds its own part first, then the others in rank order;
+            # every rank receives the owner's bits
+            bounds = [count * j // n for j in range(n + 1)]
+            expect = np.empty(count, dtype)
+            for j in range(n):
+                lo, hi = bounds[j], bounds[j + 1]
+                expect[lo:hi] = reduce_arrays(op, [ins[j][lo:hi]] + [ins[p][lo:hi]
+                                                                      for p in range(n) if p != j])
+        out.append((count, _same(a, expect), hashlib.sha256(a.tobytes()).hexdigest(),
+                    taken.pop() == ("pair_all_reduce" if pair else "direct_rsag_all_reduce")))
     pg.close()
     return out
 
@@ -226,8 +238,8 @@ def _job_reduce_from_received_parts():
 def test_large_all_reduce_reads_received_parts_in_rank_order(n):
     results = collectives.spawn(_job_reduce_from_received_parts, n, backend="zmq", timeout=60)
     for case in zip(*results):
-        assert all(ok for _, ok, _ in case), case
-        assert len({digest for _, _, digest in case}) == 1, case  # bitwise identical
+        assert all(ok and algorithm for _, ok, _, algorithm in case), case
+        assert len({digest for _, _, digest, _ in case}) == 1, case  # bitwise identical
 
 
 def _job_backlog_then_close(count):

@@ -41,7 +41,8 @@ also notices a peer that is already in a later collective, or that sent a messag
 collective this rank finished without it, and tells the other members (they fail too
 instead of waiting). See :mod:`backends.zeromq.wire`.
 
-Collectives. Direct one-round algorithms for small messages up to 8 ranks; reduce-scatter
+Collectives. Direct one-round algorithms for small messages up to 8 ranks (and a two-rank
+all_reduce up to 8 MiB, folded straight from the received frames); reduce-scatter
 + all-gather (and scatter + all-gather, reduce-scatter + gather) for large ones; the
 logarithmic and ring algorithms of ``collectives.algorithms`` beyond 8 ranks. All are
 async-capable (``async_op=True`` runs them on the group's thread). Sub-groups share the

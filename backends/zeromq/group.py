@@ -141,8 +141,10 @@ class ZmqGroup(ProcessGroup):
         from ``ZERO_COPY_MIN``, several frames beyond ``FRAME_MAX``)."""
         moving = ("send", "broadcast", "all_gather", "gather", "scatter", "all_to_all")
         return (
+            SizeThreshold("zmq.native.PAIR_ONE_ROUND_BYTES", native.PAIR_ONE_ROUND_BYTES,
+                          ("all_reduce",), max_ranks=min(2, native.DIRECT_MAX_RANKS)),
             SizeThreshold("zmq.native.ALL_REDUCE_DIRECT_BYTES", native.ALL_REDUCE_DIRECT_BYTES,
-                          ("all_reduce",), max_ranks=native.DIRECT_MAX_RANKS),
+                          ("all_reduce",), min_ranks=3, max_ranks=native.DIRECT_MAX_RANKS),
             SizeThreshold("zmq.native.ROOTED_SPLIT_BYTES", native.ROOTED_SPLIT_BYTES,
                           ("broadcast", "reduce"), min_ranks=3),
             SizeThreshold("zmq.wire.INLINE_MAX", wire.INLINE_MAX, moving),

