@@ -192,11 +192,21 @@ def test_default_algorithms_over_zmq_point_to_point():
 
 
 # ------------------------------------------------------------- the fast paths' edges
+def _nan_with_payload(dtype, payload: int):
+    """A quiet NaN of ``dtype`` carrying ``payload``: x86 adds, multiplies and compares two
+    NaNs into the first operand's, so the operand order shows in the result's bits."""
+    bits = {np.dtype(np.float32): (np.uint32, 0x7FC00000),
+            np.dtype(np.float64): (np.uint64, 0x7FF8000000000000)}[np.dtype(dtype)]
+    return np.array([bits[1] | payload], bits[0]).view(dtype)[0]
+
+
 def _job_reduce_from_received_parts():
     """Large all_reduce read straight from the received parts (two ranks' one round up to
     PAIR_ONE_ROUND_BYTES, reduce-scatter + all-gather above it and at three ranks): random
-    floats, a late rank (its peers' parts arrive before it posts its receives, so they
-    wait as unexpected messages), several dtypes and AVG."""
+    floats with a NaN of a different payload on every rank at a few places (so a swapped
+    operand order changes bits), one and several frames per message, a late rank whose
+    peers' messages are read before it posts its receives (they wait as unexpected
+    messages), several dtypes and AVG."""
     from backends.zeromq import native
     pg = collectives.init_process_group()
     r, n = pg.rank, pg.size
@@ -208,14 +218,22 @@ def _job_reduce_from_received_parts():
         setattr(native, name, counted)
     out = []
     for count, dtype, op, late in [(3 * 300_001, np.float32, ReduceOp.SUM, 1),
+                                   (1_500_001, np.float32, ReduceOp.SUM, 0),  # 2 frames
                                    (1_048_576 * 3 + 7, np.float32, ReduceOp.AVG, 0),
                                    (200_003, ml_dtypes.bfloat16, ReduceOp.MAX, n - 1),
                                    (70_001, np.float64, ReduceOp.PRODUCT, -1)]:
         ins = [np.random.default_rng(100 * p + count).standard_normal(count).astype(dtype)
                for p in range(n)]
+        if dtype is not ml_dtypes.bfloat16:
+            for p in range(n):
+                ins[p][count // 7::count // 3] = _nan_with_payload(dtype, p + 1)
         a = ins[r].copy()
+        unexpected = None
         if r == late:
             time.sleep(0.3)
+            before = pg.stats["unexpected"]
+            pg._engine._drain_if_free()  # read what the peers sent before this rank's call
+            unexpected = pg.stats["unexpected"] > before
         pg.all_reduce(a, op=op)
         pair = n == 2 and a.nbytes <= native.PAIR_ONE_ROUND_BYTES
         if pair:  # the documented order: a0 op a1 on both ranks
@@ -228,8 +246,9 @@ def _job_reduce_from_received_parts():
                 lo, hi = bounds[j], bounds[j + 1]
                 expect[lo:hi] = reduce_arrays(op, [ins[j][lo:hi]] + [ins[p][lo:hi]
                                                                       for p in range(n) if p != j])
+        algorithm = "pair_all_reduce" if pair else "direct_rsag_all_reduce"
         out.append((count, _same(a, expect), hashlib.sha256(a.tobytes()).hexdigest(),
-                    taken.pop() == ("pair_all_reduce" if pair else "direct_rsag_all_reduce")))
+                    taken.pop() == algorithm, unexpected))
     pg.close()
     return out
 
@@ -238,8 +257,10 @@ def _job_reduce_from_received_parts():
 def test_large_all_reduce_reads_received_parts_in_rank_order(n):
     results = collectives.spawn(_job_reduce_from_received_parts, n, backend="zmq", timeout=60)
     for case in zip(*results):
-        assert all(ok and algorithm for _, ok, _, algorithm in case), case
-        assert len({digest for _, _, digest, _ in case}) == 1, case  # bitwise identical
+        assert all(ok and algorithm for _, ok, _, algorithm, _ in case), case
+        assert len({digest for _, _, digest, _, _ in case}) == 1, case  # bitwise identical
+        # the late rank (if any) had its peers' messages waiting before it called
+        assert all(late is not False for *_, late in case), case
 
 
 def _job_backlog_then_close(count):
@@ -758,7 +779,8 @@ def test_a_forged_proof_is_refused_and_start_up_times_out_naming_the_missing_ran
     port = free_port()
     rdzv = Rendezvous(rank=0, world_size=2, local_rank=0, local_world_size=1,
                       master_addr="127.0.0.1", master_port=port, job_id="t", launcher="torchrun")
-    env = {"COLLECTIVES_SECRET": os.urandom(16).hex(), "COLLECTIVES_ZMQ_INIT_TIMEOUT": "3"}
+    env = {"COLLECTIVES_SECRET": os.urandom(16).hex(), "COLLECTIVES_ZMQ_INIT_TIMEOUT": "3",
+           "COLLECTIVES_ZMQ_MALLOC": "system"}  # this test's process is pytest's own
     outcome = {}
 
     def rank0():

@@ -39,15 +39,19 @@ def _job_faults_per_large_all_reduce():
     return malloc, faults
 
 
+CHOSEN_HERE = heap._user_chose(os.environ) or "COLLECTIVES_ZMQ_MALLOC" in os.environ
+
+
 @pytest.mark.skipif(not GLIBC, reason="the thresholds are glibc's")
+@pytest.mark.skipif(CHOSEN_HERE, reason="this environment chose malloc's settings itself")
 def test_large_messages_reuse_received_buffers_instead_of_faulting_pages_in():
     # Each call receives 16 MiB per rank (8 MiB of reduce-scatter, 8 of all-gather):
-    # 4096 pages. With glibc's own thresholds 270 to 1600 of them faulted in per call
+    # 4096 pages. With glibc's own thresholds 270 to 1800 of them faulted in per call
     # here; kept, 0 to 70.
     for malloc, faults in collectives.spawn(_job_faults_per_large_all_reduce, 2,
                                             backend="zmq", timeout=120):
         assert malloc == "kept"
-        assert faults < 256, f"{faults:.0f} page faults per 16 MiB all_reduce"
+        assert faults < 160, f"{faults:.0f} page faults per 16 MiB all_reduce"
 
 
 def _job_malloc_mode():
@@ -63,9 +67,14 @@ def test_a_process_can_keep_glibc_s_own_thresholds():
                              env=env) == ["system", "system"]
 
 
+def test_a_world_of_one_receives_nothing_and_sets_nothing():
+    assert collectives.spawn(_job_malloc_mode, 1, backend="zmq", timeout=60) == ["unused"]
+
+
 @pytest.mark.parametrize("variable, value", [
     ("MALLOC_TRIM_THRESHOLD_", "1048576"),
     ("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=262144"),
+    ("LD_PRELOAD", "/nowhere/libjemalloc.so.2"),  # ld.so warns and goes on without it
 ])
 @pytest.mark.skipif(not GLIBC, reason="the thresholds are glibc's")
 def test_thresholds_the_process_chose_itself_are_left_alone(variable, value):

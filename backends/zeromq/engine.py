@@ -96,7 +96,7 @@ class Engine(Matcher, Progress, Connector):
         self.endpoints: dict[str, str] = {}
         self.connections: dict[int, str] = {}
         self.mode = "local"
-        self.malloc = "system"  # a world of one receives nothing (see heap.py)
+        self.malloc = "unused"  # a world of one receives nothing (see heap.py)
         self._key: Optional[bytes] = None
         self.table: list[dict] = []
         if self.size > 1:

@@ -97,7 +97,8 @@ class ZmqGroup(ProcessGroup):
     def malloc(self) -> str:
         """What this process's zmq backend did to glibc's malloc thresholds so that
         libzmq's receive buffers are reused instead of faulted in afresh: ``"kept"``,
-        ``"system"``, ``"user"`` or ``"unsupported"`` (see :mod:`backends.zeromq.heap`)."""
+        ``"system"``, ``"user"``, ``"partial"`` or ``"unsupported"`` (see
+        :mod:`backends.zeromq.heap`), or ``"unused"`` in a world of one (nothing is received)."""
         return self._engine.malloc
 
     @property

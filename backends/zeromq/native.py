@@ -61,8 +61,8 @@ def _tunable(name: str, default: int) -> int:
 #: Direct (one-round, all-peers-at-once) algorithms up to this many ranks
 #: (``COLLECTIVES_ZMQ_DIRECT_MAX_RANKS``; every rank must see the same value).
 DIRECT_MAX_RANKS = _tunable("DIRECT_MAX_RANKS", 8)
-#: all_reduce: one round of direct exchange up to this many bytes; above, reduce-scatter
-#: + all-gather (``COLLECTIVES_ZMQ_ALL_REDUCE_DIRECT_BYTES``).
+#: all_reduce of 3 ranks and more: one round of direct exchange up to this many bytes;
+#: above, reduce-scatter + all-gather (``COLLECTIVES_ZMQ_ALL_REDUCE_DIRECT_BYTES``).
 ALL_REDUCE_DIRECT_BYTES = _tunable("ALL_REDUCE_DIRECT_BYTES", 64 * 1024)
 #: all_reduce of two ranks: one round (:func:`pair_all_reduce`) up to this many bytes; above,
 #: reduce-scatter + all-gather, which has half as much in libzmq's buffers at a time
@@ -148,6 +148,9 @@ def pair_all_reduce(links: Links, a: np.ndarray, op: ReduceOp) -> None:
     of two and with no copy out of libzmq's buffers (the all-gather's): on a 2-vCPU VM 1 MiB
     took 0.78 ms against 0.91-1.04 ms, 128 KiB 0.24-0.29 ms against 0.42-0.53 ms. ``a`` is
     sent from in place, so the fold starts once libzmq has let go of it."""
+    if links.size != 2:
+        raise ValueError(f"{where(links.rank, links.size, 'all_reduce')}: pair_all_reduce "
+                         f"needs a group of two ranks, not {links.size}")
     r = links.rank
     peer = 1 - r
     recv = _irecv_parts(links, a, peer, 0, zero_copy=True)
@@ -161,7 +164,7 @@ def pair_all_reduce(links: Links, a: np.ndarray, op: ReduceOp) -> None:
             fold(mine, part, out=mine)
         else:
             fold(part, mine, out=mine)
-        del part, buf, mine  # the received buffer goes back to libzmq's allocator now
+        del part, buf, mine  # libzmq's buffer is freed when the next part is asked for
     finish(op, a, 2)
 
 
@@ -208,7 +211,7 @@ def direct_rsag_all_reduce(links: Links, a: np.ndarray, op: ReduceOp) -> None:
                 part = np.frombuffer(buf, a.dtype)
                 at = offset // a.itemsize
                 combine_into(op, mine[at:at + part.size], part)
-                del part, buf  # the received buffer goes back to libzmq's allocator now
+                del part, buf  # libzmq's buffer is freed when the next part is asked for
         if hi > lo:
             finish(op, mine, n)
     except BaseException as exc:  # noqa: BLE001 - re-raised once the sends are done

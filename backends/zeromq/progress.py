@@ -180,6 +180,7 @@ class Progress:
                 item, frames[i] = frames[i], None  # read once: libzmq's buffer is freed
                 i += 1                              # (and reused by malloc) after its use
                 yield item
+                item = None  # not held while waiting for the next part
             elif req.done:
                 return
             else:
