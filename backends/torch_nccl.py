@@ -4,9 +4,8 @@
 collectives, errors, shutdown) over a c10d ``ProcessGroupNCCL`` on ``cuda:LOCAL_RANK``
 instead of gloo; it only overrides what NCCL needs. Registry names: ``nccl``
 (:func:`create_nccl`) and ``torch`` (:func:`create_auto`: ``nccl`` where CUDA and NCCL are
-usable, ``gloo`` otherwise). The registry finds both as ``backends.torchdist:create_nccl``
-and ``backends.torchdist:create_auto``: :mod:`backends.torchdist` provides this module's
-public names, importing it on first use (this module imports that one for its base class).
+usable, ``gloo`` otherwise), registered as ``backends.torch_nccl:create_nccl`` and
+``backends.torch_nccl:create_auto``.
 
 NCCL tensors stay on the device: :meth:`NcclGroup._to_host` hands the hooks CUDA tensors
 (staging host or other-device arguments through ``cuda:LOCAL_RANK``), and waits block the

@@ -57,10 +57,10 @@ interpreter finalises: a gloo worker that drops the last reference to a tensor v
 numpy array must take the GIL, and doing that during finalisation aborts the process
 ("terminate called without an active exception", about 1 run in 10 on torch 2.13 CPU).
 
-The NCCL group and the ``nccl`` and ``torch`` factories are in :mod:`backends.torch_nccl`
-(provided here too, imported on first use); the conversion of arguments to tensors, byte
-views, c10d options and tags in :mod:`backends.torch_tensors`; the failure diagnosis (a
-member on this host that died, the ranks that never arrived) in :mod:`backends.torch_failures`.
+The NCCL group and the ``nccl`` and ``torch`` factories are in :mod:`backends.torch_nccl`;
+the conversion of arguments to tensors, byte views, c10d options and tags in
+:mod:`backends.torch_tensors`; the failure diagnosis (a member on this host that died, the
+ranks that never arrived) in :mod:`backends.torch_failures`.
 """
 
 from __future__ import annotations
@@ -93,10 +93,10 @@ from .torch_work import TorchWork
 __all__ = ["TorchGroup", "TorchWork", "create_gloo"]
 
 
-
 # ----------------------------------------------------------------------------- groups
 class TorchGroup(_FailureDiagnosis, ProcessGroup):
-    """A ProcessGroup over a c10d ``ProcessGroupGloo`` (and base of :class:`backends.torch_nccl.NcclGroup`).
+    """A ProcessGroup over a c10d ``ProcessGroupGloo`` (and base of
+    :class:`backends.torch_nccl.NcclGroup`).
 
     Two ranks, from ``collectives.spawn(main, 2, backend="gloo")`` or
     ``torchrun --nproc-per-node 2 script.py``::

@@ -151,20 +151,10 @@ def pair_all_reduce(links: Links, a: np.ndarray, op: ReduceOp) -> None:
     if links.size != 2:
         raise ValueError(f"{where(links.rank, links.size, 'all_reduce')}: pair_all_reduce "
                          f"needs a group of two ranks, not {links.size}")
-    r = links.rank
-    peer = 1 - r
+    peer = 1 - links.rank
     recv = _irecv_parts(links, a, peer, 0, zero_copy=True)
     links.isend(a, peer, 0).wait()
-    fold = kernel(op)
-    for offset, buf in recv.parts():
-        part = np.frombuffer(buf, a.dtype)
-        at = offset // a.itemsize
-        mine = a[at:at + part.size]
-        if r == 0:
-            fold(mine, part, out=mine)
-        else:
-            fold(part, mine, out=mine)
-        del part, buf, mine  # libzmq's buffer is freed when the next part is asked for
+    _fold_parts(op, a, recv, received_first=peer == 0)
     finish(op, a, 2)
 
 
@@ -207,11 +197,7 @@ def direct_rsag_all_reduce(links: Links, a: np.ndarray, op: ReduceOp) -> None:
             work = recvs.get(p)
             if work is None:
                 continue
-            for offset, buf in work.parts():
-                part = np.frombuffer(buf, a.dtype)
-                at = offset // a.itemsize
-                combine_into(op, mine[at:at + part.size], part)
-                del part, buf  # libzmq's buffer is freed when the next part is asked for
+            _fold_parts(op, mine, work, received_first=False)
         if hi > lo:
             finish(op, mine, n)
     except BaseException as exc:  # noqa: BLE001 - re-raised once the sends are done
@@ -223,6 +209,22 @@ def direct_rsag_all_reduce(links: Links, a: np.ndarray, op: ReduceOp) -> None:
     if error is not None:
         raise error
     direct_all_gather_chunks(links, a, bounds, step=1)
+
+
+def _fold_parts(op: ReduceOp, acc: np.ndarray, recv, received_first: bool) -> None:
+    """Fold every part of ``recv`` (a receive shaped like ``acc`` whose ``parts()`` yields
+    ``(byte offset, buffer)``) into ``acc`` as it arrives: ``acc op part``, or ``part op
+    acc`` with ``received_first`` (the sender's rank comes first in the fold's order)."""
+    fold = kernel(op)
+    for offset, buf in recv.parts():
+        part = np.frombuffer(buf, acc.dtype)
+        at = offset // acc.itemsize
+        mine = acc[at:at + part.size]
+        if received_first:
+            fold(part, mine, out=mine)
+        else:
+            fold(mine, part, out=mine)
+        del part, buf, mine  # libzmq's buffer is freed when the next part is asked for
 
 
 class _CopiedParts:
