@@ -4,8 +4,8 @@ flight record, with a transport that does nothing.
     python benchmarks/base_overhead.py                     # all_reduce, broadcast, 4 B
     python benchmarks/base_overhead.py --iters 200000 --json out.json
 
-A world of one rank whose collective hooks return at once (``NoOpGroup`` below), so the
-time per call is the base class's and nothing else's. Each row times N calls in a tight
+A world of one rank whose backend's collectives return at once (``NoOpBackend`` below),
+so the time per call is the group's (``collectives.ProcessGroup``) and nothing else's. Each row times N calls in a tight
 loop (the least of many repeats, the rows taking turns loop by loop) for a contiguous CPU
 float32 torch tensor and numpy array, once through the fast path
 (``collectives.fast_path``) and once through the general path (the fast path switched off
@@ -29,32 +29,43 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from collectives.group import ProcessGroup  # noqa: E402
+from collectives import Backend, ProcessGroup  # noqa: E402
 from collectives.work import CompletedWork  # noqa: E402
 
 
-class NoOpGroup(ProcessGroup):
-    """A world of one whose hooks do nothing: what remains is the base class."""
+class NoOpBackend(Backend):
+    """A world of one whose collectives do nothing: what remains is the group's work."""
 
-    backend = "noop"
+    name = "noop"
 
     def __init__(self) -> None:
-        super().__init__(0, 1, timeout=60.0)
+        super().__init__(0, 1, 60.0)
 
-    def _isend(self, array, dst, tag):
+    def isend(self, array, dst, tag):
         return CompletedWork()
 
-    def _irecv(self, array, src, tag):
+    def irecv(self, array, src, tag):
         return CompletedWork()
 
-    def _barrier(self, seq):
+    def close(self):
+        pass
+
+    def abort(self):
+        pass
+
+    def barrier(self, seq):
         return None
 
-    def _broadcast(self, a, src, seq):
+    def broadcast(self, a, root, seq):
         return None
 
-    def _all_reduce(self, a, op, seq):
+    def all_reduce(self, a, op, seq):
         return None
+
+
+def NoOpGroup() -> ProcessGroup:  # noqa: N802 - a group as the old class made one
+    """A group over :class:`NoOpBackend`."""
+    return ProcessGroup(NoOpBackend())
 
 
 def _loop_mean(fn, iters: int) -> float:

@@ -48,7 +48,7 @@ def bench(sizes: tuple, iters_scale: float) -> list:
     from mpi4py import MPI
 
     pg = collectives.init_process_group("mpi", timeout=120)
-    comm = pg._comm.Dup()  # raw mpi4py on a communicator like ours
+    comm = pg.transport.comm.Dup()  # raw mpi4py on a communicator like ours
     n, rank = pg.size, pg.rank
     rows = []
     for nbytes in sizes:

@@ -44,7 +44,7 @@ def _bench(sizes, iters_small, iters_large):
         rows.append({"bytes": nbytes, "median_us": float(np.median(times) * 1e6),
                      "p10_us": float(np.percentile(times, 10) * 1e6),
                      "p90_us": float(np.percentile(times, 90) * 1e6)})
-    mode = pg.wait_mode
+    mode = pg.transport.wait_mode
     pg.close()
     return mode, rows
 
@@ -68,8 +68,8 @@ def _gib():
         marked[(-lo) % 4097::4097] = True
         ok &= bool((part[~marked] == expect_bulk).all() and
                    (part[marked] == expect_marked).all())
-    footprint = pg.footprint_bytes
-    chunk = pg.chunk_bytes
+    footprint = pg.transport.footprint_bytes
+    chunk = pg.transport.chunk_bytes
     pg.close()
     return {"seconds": elapsed, "correct": ok, "segment_bytes": footprint,
             "data_banks_bytes": 2 * n * chunk, "chunk_bytes": chunk}

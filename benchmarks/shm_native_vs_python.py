@@ -50,7 +50,7 @@ def _job(sizes: list[int], iters: int) -> list[tuple[int, float, float]]:
                 a[...] = 1.0
         rows.append((nbytes, float(np.median(times["native"]) * 1e6),
                      float(np.median(times["python"]) * 1e6)))
-    native = pg.native
+    native = pg.transport.native
     python.close()
     pg.close()
     return [native] + rows

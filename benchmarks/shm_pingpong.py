@@ -60,7 +60,7 @@ def _shm_job(sizes: list[int], iters: int) -> list:
             _pingpong(g.send, g.recv, g.rank, a, max(10, iters // 10))
             res.setdefault(name, []).append(_pingpong(g.send, g.recv, g.rank, a, iters))
         rows.append((nbytes, min(res["native"]), min(res["python"])))
-    native = pg.native
+    native = pg.transport.native
     python.close()
     pg.close()
     return [native, rows]

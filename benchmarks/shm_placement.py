@@ -38,7 +38,7 @@ def _job(iters: int, warmup: int) -> dict:
             mine[i - warmup] = time.perf_counter() - start
     slowest = mine.copy()
     pg.all_reduce(slowest, collectives.ReduceOp.MAX)
-    res = {"us": float(np.median(slowest)) * 1e6, "core": pg.bound_core}
+    res = {"us": float(np.median(slowest)) * 1e6, "core": pg.transport.bound_core}
     pg.close()
     return res
 

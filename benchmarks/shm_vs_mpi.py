@@ -7,7 +7,7 @@
 One invocation measures, per world size n and message size (float32, SUM):
 
 - ``shm``: ``pg.all_reduce(a)``, the public call (validation, staging, the hook);
-- ``hook``: ``pg._all_reduce(a, SUM, seq)``, the backend alone (same protocol, same
+- ``hook``: ``pg.transport.all_reduce(a, SUM, seq)``, the backend alone (same protocol, same
   sequence numbering; what the base class adds is ``shm - hook``);
 - ``mpi``: ``comm.Allreduce(MPI.IN_PLACE, a)`` of raw mpi4py under ``mpiexec -n n``
   (the ``mpich`` wheel), in a separate job started right after the shm one;
@@ -71,6 +71,7 @@ def _time_impl(fn, barrier, nbytes: int, scale: float) -> np.ndarray:
 def _shm_worker(sizes: list, scale: float) -> dict:
     """One rank of the shm job: times of the public call and of the hook."""
     import collectives
+    from collectives import running
     from collectives.reduce_op import ReduceOp
 
     pg = collectives.init_process_group("shm", timeout=120)
@@ -79,7 +80,7 @@ def _shm_worker(sizes: list, scale: float) -> dict:
         a = np.zeros(max(1, nbytes // 4), np.float32)
 
         def hook(a=a):
-            pg._all_reduce(a, ReduceOp.SUM, pg._next_seq("all_reduce"))
+            pg.transport.all_reduce(a, ReduceOp.SUM, running.next_seq(pg, "all_reduce"))
 
         res[nbytes] = {
             "shm": _time_impl(lambda: pg.all_reduce(a), pg.barrier, nbytes, scale).tolist(),

@@ -57,7 +57,7 @@ def zmq_rank(sizes: list[int], small: int, large: int) -> dict:
         pg.all_reduce(t)
         wrong = not bool((t == pg.size * (pg.size + 1) / 2).all())
         out[nbytes] = (statistics.median(times), wrong)
-    info = {"auth": pg.auth_mode, "endpoints": pg.endpoints, "malloc": pg.malloc}
+    info = {"auth": pg.transport.auth_mode, "endpoints": pg.transport.endpoints, "malloc": pg.transport.malloc}
     pg.close()
     return {"times": out, "info": info} if pg.rank == 0 else {}
 

@@ -7,19 +7,22 @@
 >>> pg.close()
 """
 
-from .errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, PeerError
+from .backend import Backend, Capabilities
+from .errors import (CollectiveError, CollectiveMismatch, CollectiveTimeout, GroupAborted,
+                     PeerError)
 from .group import ProcessGroup
-from .launch import Rendezvous, detect_rendezvous, init_process_group
+from .launch import Rendezvous, detect_rendezvous
 from .persistent import PersistentRequest
 from .reduce_op import ReduceOp
 from .registry import available_backends, get_backend, register_backend
 from .spawn import SpawnError, spawn
 from .work import Work
+from .world import init_process_group
 
 __all__ = [
-    "CollectiveError", "CollectiveMismatch", "CollectiveTimeout", "PeerError",
-    "PersistentRequest", "ProcessGroup",
-    "ReduceOp", "Rendezvous", "SpawnError", "Work", "available_backends", "detect_rendezvous",
+    "Backend", "Capabilities", "CollectiveError", "CollectiveMismatch", "CollectiveTimeout",
+    "GroupAborted", "PeerError", "PersistentRequest", "ProcessGroup", "ReduceOp",
+    "Rendezvous", "SpawnError", "Work", "available_backends", "detect_rendezvous",
     "get_backend", "init_process_group", "new_group", "register_backend", "spawn",
 ]
 

@@ -64,7 +64,7 @@ def _check_dtype(dtype: np.dtype, where: str, arg: str) -> None:
 
 def _torch_to_host(t: Any, where: str, arg: str, write: bool) -> HostBuffer:
     torch = _torch()
-    dtype = _TORCH_TO_NUMPY.get(t.dtype)  # (complex dtypes are not in the table)
+    dtype = TORCH_TO_NUMPY.get(t.dtype)  # (complex dtypes are not in the table)
     if dtype is None:
         raise TypeError(f"{where}: argument `{arg}` has unsupported dtype {t.dtype}")
     if t.is_cpu and t.is_contiguous() and not t.is_neg():
@@ -127,19 +127,19 @@ def to_host(obj: Any, *, where: str, arg: str, write: bool) -> HostBuffer:
         return _numpy_to_host(obj, where, arg, write)
     torch = _torch()
     if torch is not None and isinstance(obj, torch.Tensor):
-        _init_torch_table(torch)
+        init_torch_table(torch)
         return _torch_to_host(obj, where, arg, write)
     raise TypeError(f"{where}: argument `{arg}` must be a torch.Tensor or numpy.ndarray, "
                     f"got {type(obj).__name__}")
 
 
-_TORCH_TO_NUMPY: dict = {}
+TORCH_TO_NUMPY: dict = {}
 _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 
-def _init_torch_table(torch: Any) -> None:
-    if not _TORCH_TO_NUMPY:
-        _TORCH_TO_NUMPY.update({
+def init_torch_table(torch: Any) -> None:
+    if not TORCH_TO_NUMPY:
+        TORCH_TO_NUMPY.update({
             torch.float16: np.dtype(np.float16), torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
             torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64),
             torch.int8: np.dtype(np.int8), torch.uint8: np.dtype(np.uint8),
@@ -158,5 +158,5 @@ def host_dtype(obj: Any) -> np.dtype:
     if isinstance(obj, np.ndarray):
         return obj.dtype
     torch = _torch()
-    _init_torch_table(torch)
-    return _TORCH_TO_NUMPY.get(obj.dtype, np.dtype(object))
+    init_torch_table(torch)
+    return TORCH_TO_NUMPY.get(obj.dtype, np.dtype(object))

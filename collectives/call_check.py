@@ -15,25 +15,15 @@ exchange.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from . import settings
 from .errors import CollectiveMismatch
 
 #: Room for one rank's description of its call, in bytes (longer ones are cut).
 DESCRIPTION_BYTES = 192
-
-
-def debug_enabled() -> bool:
-    """True when ``COLLECTIVES_DEBUG`` asks for the per-call check ("1", "true", "yes")."""
-    value = os.environ.get("COLLECTIVES_DEBUG", "").strip().lower()
-    if value in ("", "0", "false", "no", "off"):
-        return False
-    if value in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"environment variable COLLECTIVES_DEBUG={value!r} must be 0 or 1")
 
 
 def describe(op: str, shape: Optional[Sequence[int]], dtype: Any, root: int,
@@ -87,7 +77,7 @@ def check(gathered: np.ndarray, *, rank: int, size: int, where: str,
     if others:
         first = others[0]
         raise CollectiveMismatch(
-            f"{where}: ranks called different collectives (COLLECTIVES_DEBUG check): this "
+            f"{where}: ranks called different collectives ({settings.DEBUG.name} check): this "
             f"rank ({rank}) called {mine}, rank {first} called {names[first]}"
             + (f" (also differing: ranks {others[1:]})" if len(others) > 1 else ""))
     if not all_to_all:
@@ -98,6 +88,6 @@ def check(gathered: np.ndarray, *, rank: int, size: int, where: str,
         for dst in range(size):
             if sent[src, dst] != received[dst, src]:
                 raise CollectiveMismatch(
-                    f"{where}: split sizes disagree (COLLECTIVES_DEBUG check): rank {src} "
+                    f"{where}: split sizes disagree ({settings.DEBUG.name} check): rank {src} "
                     f"sends {sent[src, dst]} elements to rank {dst}, which expects "
                     f"{received[dst, src]} (this is rank {rank})")

@@ -35,6 +35,7 @@ import os
 import sys
 from typing import Iterable, Optional, Sequence
 
+from . import settings
 from .flight import FORMAT
 
 
@@ -179,7 +180,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m collectives.doctor",
         description="Show where the ranks of a failed job diverged, from their flight "
-                    "records (COLLECTIVES_FLIGHT_DIR, default <tmp>/collectives-flight).")
+                    f"records ({settings.FLIGHT_DIR.name}, default <tmp>/collectives-flight).")
     parser.add_argument("paths", nargs="+", metavar="FILE_OR_DIR",
                         help="flight-record files, or directories holding them")
     args = parser.parse_args(argv)

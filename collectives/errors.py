@@ -37,6 +37,16 @@ class PeerError(CollectiveError):
         self.peer = peer
 
 
+class GroupAborted(CollectiveError):
+    """The group was aborted (``pg.abort()``, from any thread): every call that was
+    pending on it, or comes after, raises this, naming the op and the rank."""
+
+    def __init__(self, message: str, *, op: str = "", reason: str = "") -> None:
+        super().__init__(message)
+        self.op = op
+        self.reason = reason
+
+
 class CollectiveMismatch(CollectiveError):
     """Ranks called different collectives, or the same one with different shapes,
     dtypes or roots."""

@@ -1,10 +1,10 @@
-"""The base class's fast path (mixed into :class:`~collectives.group.ProcessGroup`): a
+"""The group's fast path (functions of the :class:`~collectives.group.ProcessGroup` they run for): a
 blocking collective on a contiguous CPU tensor or array, checked, numbered, recorded and
 handed to its hook in about a microsecond; the same for the two-array collectives
-(``all_gather``, ``gather``, ``scatter``, ``reduce_scatter``: ``_fast_pair`` and
-``_fast_rooted`` check both arrays), ``all_to_all`` in equal parts and ``reduce``; and
+(``all_gather``, ``gather``, ``scatter``, ``reduce_scatter``: ``fast_pair`` and
+``fast_rooted`` check both arrays), ``all_to_all`` in equal parts and ``reduce``; and
 a blocking ``send``/``recv``, checked, recorded and handed to the backend's
-``_send_now``/``_recv_now`` (:mod:`collectives.hooks`).
+``send_now``/``recv_now`` (:mod:`collectives.backend`).
 
 The general path (:mod:`collectives.collective_calls`, :mod:`collectives.running`) checks
 every argument, builds a :class:`~collectives.buffers.HostBuffer`, a closure and a flight
@@ -41,9 +41,9 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .buffers import SUPPORTED_DTYPES, _TORCH_TO_NUMPY, _init_torch_table
-from .errors import CollectiveError
+from .buffers import SUPPORTED_DTYPES, TORCH_TO_NUMPY, init_torch_table
 from .reduce_op import ReduceOp
+from .running import check_open, failed, fast_failed, run_numbered
 from .validation import MAX_USER_TAG
 
 #: Tensors whose storage is at most this many bytes are cached: the cached numpy view
@@ -87,7 +87,7 @@ class HostViews:
         """``(flat host array, caller's shape, the ids of its valid reductions, the
         array's dtype)`` when ``obj`` may go straight to a hook as a zero-copy, writable
         view; None when it needs the general path."""
-        if type(obj) is np.ndarray:   # (FastPath._fast_collective checks it alike)
+        if type(obj) is np.ndarray:   # (fast_collective checks it alike)
             valid = VALID_REDUCTIONS.get(id(obj.dtype))
             if valid is not None and obj.flags.carray:
                 return (obj if obj.ndim == 1 else obj.reshape(-1)), obj.shape, valid, obj.dtype
@@ -104,8 +104,8 @@ class HostViews:
         torch = sys.modules.get("torch")
         if torch is None or not isinstance(obj, torch.Tensor):
             return None
-        _init_torch_table(torch)
-        dt = _TORCH_TO_NUMPY.get(obj.dtype)
+        init_torch_table(torch)
+        dt = TORCH_TO_NUMPY.get(obj.dtype)
         if (dt is None or id(dt) not in VALID_REDUCTIONS or not obj.is_cpu
                 or not obj.is_contiguous() or obj.is_neg() or obj.is_conj()):
             return None
@@ -126,184 +126,146 @@ class HostViews:
         self._entries.clear()
 
 
-class FastPath:
-    """``_fast_collective`` and ``_fast_p2p``; needs the state ``ProcessGroup.__init__`` sets
-    up (``_fast`` says whether this group may use the path at all)."""
+def fast_collective(group: Any, op: str, hook: Callable[..., Any], tensor: Any, arg: Any,
+                    root: int, reduce_op: Any) -> bool:
+    """A blocking collective on ``tensor`` whose other arguments the caller checked: when
+    the path applies (contiguous, writable CPU memory of a supported dtype, and
+    ``reduce_op`` valid for it), number the call, run ``hook(flat, arg, seq)`` inline,
+    record it, and return True: what ``running.dispatch`` + ``running.run`` do for a
+    blocking call with nothing queued. False leaves the call to the general path.
+    ``reduce_op`` is None for a collective that does not reduce, so the caller of one
+    that does sees to it that its op is not None.
 
-    _fast: bool
-    _host_views: HostViews
-
-    def _fast_collective(self, op: str, hook: Callable[[np.ndarray, Any, int], Any],
-                         tensor: Any, arg: Any, root: int, reduce_op: Any) -> bool:
-        """A blocking collective on ``tensor`` whose other arguments the caller checked:
-        when the path applies (contiguous, writable CPU memory of a supported dtype, and
-        ``reduce_op`` valid for it), number the call, run ``hook(flat, arg, seq)`` inline,
-        record it, and return True: what ``_dispatch_collective`` + ``_run`` do for a
-        blocking call with nothing queued. False leaves the call to the general path.
-        ``reduce_op`` is None for a collective that does not reduce, so the caller of one
-        that does sees to it that its op is not None.
-
-        A numpy array is checked here rather than in ``HostViews.lookup``: one Python call
-        less per collective (about 0.1 us of the microsecond this path has)."""
-        if type(tensor) is np.ndarray:   # the rule of HostViews.lookup's first branch
-            dtype = tensor.dtype
-            valid = VALID_REDUCTIONS.get(id(dtype))
-            # carray: C-contiguous, aligned and writeable, in one flag
-            if valid is None or not tensor.flags.carray:
-                return False
-            shape = tensor.shape
-            flat = tensor if len(shape) == 1 else tensor.reshape(-1)
-        else:
-            found = self._host_views.lookup(tensor)
-            if found is None:
-                return False
-            flat, shape, valid, dtype = found
-        if reduce_op is not None and id(reduce_op) not in valid:
+    A numpy array is checked here rather than in ``HostViews.lookup``: one Python call
+    less per collective (about a tenth of the microsecond this path has)."""
+    if type(tensor) is np.ndarray:   # the rule of HostViews.lookup's first branch
+        dtype = tensor.dtype
+        valid = VALID_REDUCTIONS.get(id(dtype))
+        # carray: C-contiguous, aligned and writeable, in one flag
+        if valid is None or not tensor.flags.carray:
             return False
-        if self._closed:
-            raise CollectiveError(f"{self._where(op)}: the group is closed")
-        # What _run_numbered does, inline: calling it costs 0.2 us of this microsecond
-        # (base_overhead.py: numpy all_reduce 0.59 -> 0.78 us).
-        seq = self._seq
-        self._seq = seq + 1
-        recorder = self._recorder
-        if recorder is None:
-            hook(flat, arg, seq)
-            return True
-        t0 = _time()
-        try:
-            hook(flat, arg, seq)
-        except BaseException as exc:
-            self._fast_failed((seq, op, shape, dtype, root, reduce_op, -1, t0), exc)
-            raise
-        recorder.append((seq, op, shape, dtype, root, reduce_op, -1, t0, _time(), "ok"))
-        return True
-
-    def _run_numbered(self, op: str, hook: Callable[..., Any], args: tuple, shape: Any,
-                      dtype: Any, root: int, reduce_op: Any) -> None:
-        """``hook(*args, seq)`` on this thread under the next sequence number, recorded
-        as one tuple after it returns: a persistent request's ``run()`` (whose round is
-        checked and bound once), as ``_fast_collective`` runs a blocking call. The
-        caller checked that the group is open, that ``_fast`` holds and that nothing
-        is queued."""
-        seq = self._seq
-        self._seq = seq + 1
-        recorder = self._recorder
-        if recorder is None:
-            hook(*args, seq)
-            return
-        t0 = _time()
-        try:
-            hook(*args, seq)
-        except BaseException as exc:
-            self._fast_failed((seq, op, shape, dtype, root, reduce_op, -1, t0), exc)
-            raise
-        recorder.append((seq, op, shape, dtype, root, reduce_op, -1, t0, _time(), "ok"))
-
-    def _fast_pair(self, op: str, big: Any, small: Any, reduce_op: Any) -> Optional[tuple]:
-        """The two arrays of a blocking all_gather, gather, scatter or reduce_scatter
-        when the path applies: ``(big, small)``, each ``HostViews.lookup``'s tuple, where
-        both are contiguous, writable CPU memory of one dtype, ``big`` holds group size x
-        ``small``'s elements and ``reduce_op`` (None where the op does not reduce) is
-        valid for the dtype; None leaves the call to the general path, which raises
-        whatever error applies. Raises at once on a closed group (naming ``op``). (An
-        input that may not be written, a read-only array, takes the general path too.)
-
-        Two ranks: ``pg.all_gather(out := np.empty(4), np.ones(2))`` finds
-        ``(out, input)`` here and runs ``_all_gather`` under ``_run_numbered``."""
-        views = self._host_views
-        found_big = views.lookup(big)
-        if found_big is None:
-            return None
-        found_small = views.lookup(small)
-        if (found_small is None or found_small[3] is not found_big[3]
-                or found_big[0].size != self.size * found_small[0].size
-                or (reduce_op is not None and id(reduce_op) not in found_big[2])):
-            return None
-        if self._closed:
-            raise CollectiveError(f"{self._where(op)}: the group is closed")
-        return found_big, found_small
-
-    def _fast_rooted(self, op: str, hook: Callable[..., Any], small: Any, big: Any,
-                     root: Any) -> bool:
-        """A blocking gather (``small``: the input; ``big``: the root's output) or
-        scatter (``small``: the output; ``big``: the root's input): when the path
-        applies (``_fast_pair`` at the root, ``small`` alone elsewhere, where ``big`` is
-        ignored as the general path ignores it), ``hook(small, big or None, root, seq)``
-        under ``_run_numbered``, and True; False leaves the call to the general path."""
-        if not (type(root) is int and 0 <= root < self.size):
-            return False
-        if self.rank == root:
-            pair = None if big is None else self._fast_pair(op, big, small, None)
-            if pair is None:
-                return False
-            found, flat_big = pair[1], pair[0][0]
-        else:
-            found, flat_big = self._host_views.lookup(small), None
-            if found is None:
-                return False
-            if self._closed:
-                raise CollectiveError(f"{self._where(op)}: the group is closed")
-        self._run_numbered(op, hook, (found[0], flat_big, root), found[1], found[3], root,
-                           None)
-        return True
-
-    def _fast_even_all_to_all(self, output: Any, input: Any) -> bool:
-        """A blocking all_to_all in equal parts (no split sizes): when both arrays take
-        the path, share a dtype and have rows along dim 0 in a multiple of the group
-        size, ``_all_to_all(out, inp, out_counts, in_counts, seq)`` under
-        ``_run_numbered`` with the counts the general path computes, and True; False
-        leaves the call to the general path (and its errors)."""
-        views = self._host_views
-        found_out = views.lookup(output)
-        if found_out is None:
-            return False
-        found_in = views.lookup(input)
-        n = self.size
-        if found_in is None or found_in[3] is not found_out[3]:
-            return False
-        out_shape, in_shape = found_out[1], found_in[1]
-        if not out_shape or not in_shape or out_shape[0] % n or in_shape[0] % n:
-            return False
-        if self._closed:
-            raise CollectiveError(f"{self._where('all_to_all')}: the group is closed")
-        out, inp = found_out[0], found_in[0]
-        self._run_numbered("all_to_all", self._all_to_all,
-                           (out, inp, [out.size // n] * n, [inp.size // n] * n), None,
-                           found_in[3], -1, None)
-        return True
-
-    def _fast_p2p(self, op: str, hook: Callable[[np.ndarray, int, int], None],
-                  tensor: Any, peer: Any, tag: Any) -> bool:
-        """A blocking send or receive of ``tensor``: when the path applies (a peer and a
-        user tag as plain ints, contiguous CPU memory), ``hook(flat, peer, tag)``
-        (``_send_now`` or ``_recv_now``) inline, recorded as ``_post_p2p`` records it
-        (not numbered), and True; False leaves the call to the general path."""
-        if not (self._fast and peer.__class__ is int and tag.__class__ is int
-                and 0 <= peer < self.size and peer != self.rank and 0 <= tag < MAX_USER_TAG):
-            return False
-        found = self._host_views.lookup(tensor)
+        shape = tensor.shape
+        flat = tensor if len(shape) == 1 else tensor.reshape(-1)
+    else:
+        found = group._host_views.lookup(tensor)
         if found is None:
             return False
-        flat, shape, _, dtype = found
-        if self._closed:
-            raise CollectiveError(f"{self._where(op)}: the group is closed")
-        recorder = self._recorder
-        if recorder is None:
-            hook(flat, peer, tag)
-            return True
-        t0 = _time()
-        try:
-            hook(flat, peer, tag)
-        except BaseException as exc:
-            self._fast_failed((-1, op, shape, dtype, -1, None, peer, t0), exc)
-            raise
-        recorder.append((-1, op, shape, dtype, -1, None, peer, t0, _time(), "ok"))
-        return True
+        flat, shape, valid, dtype = found
+    if reduce_op is not None and id(reduce_op) not in valid:
+        return False
+    if group._closed:
+        check_open(group, op)
+    # What running.run_numbered does, inline: calling it costs a fifth of this path.
+    seq = group._seq
+    group._seq = seq + 1
+    recorder = group._recorder
+    t0 = _time() if recorder is not None else 0.0
+    try:
+        hook(flat, arg, seq)
+    except BaseException as exc:
+        if recorder is not None:
+            fast_failed(group, (seq, op, shape, dtype, root, reduce_op, -1, t0), exc)
+        raise failed(group, exc, op, seq)
+    if recorder is not None:
+        recorder.append((seq, op, shape, dtype, root, reduce_op, -1, t0, _time(), "ok"))
+    return True
 
-    def _fast_failed(self, started: tuple, exc: BaseException) -> None:
-        """Record a fast call that raised (``started``: its record up to the start time)
-        as the general path would, and dump the ring."""
-        rec = [*started, None, "running"]
-        self._recorder.append(rec)
-        self._record_failure(rec, exc)
+
+def fast_pair(group: Any, op: str, big: Any, small: Any, reduce_op: Any) -> Optional[tuple]:
+    """The two arrays of a blocking all_gather, gather, scatter or reduce_scatter when the
+    path applies: ``(big, small)``, each ``HostViews.lookup``'s tuple, where both are
+    contiguous, writable CPU memory of one dtype, ``big`` holds group size x ``small``'s
+    elements and ``reduce_op`` (None where the op does not reduce) is valid for the
+    dtype; None leaves the call to the general path, which raises whatever error
+    applies. Raises at once on a closed group (naming ``op``). (An input that may not be
+    written, a read-only array, takes the general path too.)
+
+    Two ranks: ``pg.all_gather(out := np.empty(4), np.ones(2))`` finds ``(out, input)``
+    here and runs the backend's ``all_gather`` under ``run_numbered``."""
+    views = group._host_views
+    found_big = views.lookup(big)
+    if found_big is None:
+        return None
+    found_small = views.lookup(small)
+    if (found_small is None or found_small[3] is not found_big[3]
+            or found_big[0].size != group.size * found_small[0].size
+            or (reduce_op is not None and id(reduce_op) not in found_big[2])):
+        return None
+    check_open(group, op)
+    return found_big, found_small
+
+
+def fast_rooted(group: Any, op: str, hook: Callable[..., Any], small: Any, big: Any,
+                root: Any) -> bool:
+    """A blocking gather (``small``: the input; ``big``: the root's output) or scatter
+    (``small``: the output; ``big``: the root's input): when the path applies
+    (``fast_pair`` at the root, ``small`` alone elsewhere, where ``big`` is ignored as the
+    general path ignores it), ``hook(small, big or None, root, seq)`` under
+    ``run_numbered``, and True; False leaves the call to the general path."""
+    if not (type(root) is int and 0 <= root < group.size):
+        return False
+    if group.rank == root:
+        pair = None if big is None else fast_pair(group, op, big, small, None)
+        if pair is None:
+            return False
+        found, flat_big = pair[1], pair[0][0]
+    else:
+        found, flat_big = group._host_views.lookup(small), None
+        if found is None:
+            return False
+        check_open(group, op)
+    run_numbered(group, op, hook, (found[0], flat_big, root), found[1], found[3], root, None)
+    return True
+
+
+def fast_even_all_to_all(group: Any, output: Any, input: Any) -> bool:
+    """A blocking all_to_all in equal parts (no split sizes): when both arrays take the
+    path, share a dtype and have rows along dim 0 in a multiple of the group size, the
+    backend's ``all_to_all(out, inp, out_counts, in_counts, seq)`` under
+    ``run_numbered`` with the counts the general path computes, and True; False leaves
+    the call to the general path (and its errors)."""
+    views = group._host_views
+    found_out = views.lookup(output)
+    if found_out is None:
+        return False
+    found_in = views.lookup(input)
+    n = group.size
+    if found_in is None or found_in[3] is not found_out[3]:
+        return False
+    out_shape, in_shape = found_out[1], found_in[1]
+    if not out_shape or not in_shape or out_shape[0] % n or in_shape[0] % n:
+        return False
+    check_open(group, "all_to_all")
+    out, inp = found_out[0], found_in[0]
+    run_numbered(group, "all_to_all", group.transport.all_to_all,
+                 (out, inp, [out.size // n] * n, [inp.size // n] * n), None, found_in[3],
+                 -1, None)
+    return True
+
+
+def fast_p2p(group: Any, op: str, hook: Callable[[np.ndarray, int, int], None],
+             tensor: Any, peer: Any, tag: Any) -> bool:
+    """A blocking send or receive of ``tensor``: when the path applies (a peer and a
+    user tag as plain ints, contiguous CPU memory), ``hook(flat, peer, tag)`` (the
+    backend's ``send_now`` or ``recv_now``) inline, recorded as the general path records
+    it (not numbered), and True; False leaves the call to the general path."""
+    if not (peer.__class__ is int and tag.__class__ is int and 0 <= peer < group.size
+            and peer != group.rank and 0 <= tag < MAX_USER_TAG):
+        return False
+    found = group._host_views.lookup(tensor)
+    if found is None:
+        return False
+    flat, shape, _, dtype = found
+    if group._closed:
+        check_open(group, op)
+    recorder = group._recorder
+    t0 = _time() if recorder is not None else 0.0
+    try:
+        hook(flat, peer, tag)
+    except BaseException as exc:
+        if recorder is not None:
+            fast_failed(group, (-1, op, shape, dtype, -1, None, peer, t0), exc)
+        raise failed(group, exc, op, -1)
+    if recorder is not None:
+        recorder.append((-1, op, shape, dtype, -1, None, peer, t0, _time(), "ok"))
+    return True

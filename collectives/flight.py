@@ -31,10 +31,10 @@ import tempfile
 import time
 from typing import Any, Optional
 
-from .environment import env_number
+from . import settings
 
 #: How many operations a group keeps when ``COLLECTIVES_FLIGHT_RECORDER`` is unset.
-DEFAULT_CAPACITY = 256
+DEFAULT_CAPACITY: int = settings.FLIGHT_RECORDER.default
 #: The file format's version, checked by the doctor.
 FORMAT = 1
 
@@ -43,23 +43,15 @@ SEQ, OP, SHAPE, DTYPE, ROOT, REDUCE_OP, PEER, START, END, STATE = range(10)
 FIELDS = ("seq", "op", "shape", "dtype", "root", "reduce_op", "peer", "start", "end", "state")
 
 
-def capacity_from_env() -> int:
-    """The number of operations to keep per group (0: recording is off)."""
-    n = env_number("COLLECTIVES_FLIGHT_RECORDER", DEFAULT_CAPACITY)
-    if n < 0:
-        raise ValueError(f"environment variable COLLECTIVES_FLIGHT_RECORDER={n} must be >= 0")
-    return n
-
-
 def flight_dir() -> str:
     """Where records are written (``COLLECTIVES_FLIGHT_DIR`` or ``<tmp>/collectives-flight``)."""
-    return os.environ.get("COLLECTIVES_FLIGHT_DIR") or os.path.join(
-        tempfile.gettempdir(), "collectives-flight")
+    return settings.FLIGHT_DIR.get() or os.path.join(tempfile.gettempdir(),
+                                                     "collectives-flight")
 
 
 def job_name() -> str:
     """A name shared by every rank of this job (so their files land together)."""
-    from .launch import job_id  # launch imports the group, which imports this module
+    from .launch import job_id
     job = job_id()
     return _safe(job.split("=", 1)[1]) if job else "job"
 

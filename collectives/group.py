@@ -1,79 +1,50 @@
-"""The abstract ProcessGroup: the one interface every strategy in ``parallel/`` is written
-against and every transport in ``backends/`` implements.
+"""``ProcessGroup``: the one interface every strategy in ``parallel/`` is written against.
 
-A backend implements point to point (``_isend``, ``_irecv``) and ``_barrier``; every
-collective then works through the send/recv algorithms of ``collectives.algorithms``.
-A backend overrides the ``_broadcast``/``_all_reduce``/... hooks it can do natively; what
-a hook receives and returns is written once, in :mod:`collectives.hooks`.
-
-The class is put together from one module per concern:
+One concrete class that holds a :class:`~collectives.backend.Backend` (its
+``transport``): the group checks arguments, stages tensors, numbers collectives, runs
+them inline or on its thread, keeps the flight record and takes the fast path; the
+backend moves bytes. Each of those jobs is a module of its own, called from here:
 
 - :mod:`collectives.validation`: the argument checks (before any message moves, so a bad
   call leaves the group usable);
 - :mod:`collectives.running`: numbering, running inline or on the group's thread, the
-  debug call check and the flight record;
-- :mod:`collectives.point_to_point`, :mod:`collectives.collective_calls`,
-  :mod:`collectives.objects`: the public calls;
-- :mod:`collectives.fast_path`: blocking calls on contiguous CPU memory in ~1 us;
+  debug call check, the flight record and what an abort turns errors into;
+- :mod:`collectives.fast_path`: blocking calls on contiguous host memory in about a
+  microsecond;
 - :mod:`collectives.persistent`: ``all_reduce_init`` and the other persistent requests;
+- :mod:`collectives.objects`: ``broadcast_object`` and ``all_gather_object``;
 - :mod:`collectives.symmetric`: ``alloc_symmetric``, buffers the peers may read;
-- this module: state, the hooks with their defaults, sub-groups and lifetime.
+- :mod:`collectives.subgroup`: sub-groups of backends without their own.
 """
 
 from __future__ import annotations
 
-import abc
 import concurrent.futures
-import datetime
 import threading
+import weakref
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from . import algorithms, call_check, flight
-from .buffers import HostBuffer, to_host
-from .collective_calls import CollectiveCalls
-from .fast_path import FastPath, HostViews
-from .objects import ObjectCalls
-from .persistent import PersistentCalls
-from .point_to_point import PointToPointCalls
-from .reduce_op import ReduceOp
-from .running import CallRunner, _CommitOnWait, _RecordedWork  # noqa: F401 - re-exported
-from .symmetric import SymmetricCalls
+from . import flight, objects, persistent, running, settings, symmetric
+from .backend import Backend
+from .buffers import HostBuffer, host_dtype, to_host
+from .errors import GroupAborted
+from .errors import where as where_text
+from .fast_path import HostViews, fast_collective, fast_even_all_to_all, fast_p2p, \
+    fast_pair, fast_rooted
+from .reduce_op import ReduceOp, check_reducible
+from .subgroup import SubGroup
 from .thresholds import SizeThreshold
-from .validation import MAX_USER_TAG, ArgumentChecks
+from .validation import Arguments, MAX_USER_TAG, timeout_seconds
 from .work import Work
 
 __all__ = ["MAX_USER_TAG", "ProcessGroup", "timeout_seconds"]
 
-
-def timeout_seconds(timeout: "float | datetime.timedelta | None", default: float,
-                    where: str = "", arg: str = "timeout") -> float:
-    """Normalise a timeout given in seconds or as a ``timedelta`` (``None``: ``default``).
-
-    A wrong type is a ``TypeError``, a non-positive (or NaN) number a ``ValueError``;
-    ``where`` names the call in the message (``"init_process_group"``), ``arg`` the
-    argument.
-
-    >>> timeout_seconds(datetime.timedelta(minutes=1), 300.0)
-    60.0
-    """
-    if timeout is None:
-        return default
-    prefix = f"{where}: " if where else ""
-    if isinstance(timeout, datetime.timedelta):
-        timeout = timeout.total_seconds()
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"{prefix}argument `{arg}` must be a positive number of seconds or "
-                        f"a timedelta, got {type(timeout).__name__} {timeout!r}")
-    if not timeout > 0:  # also NaN
-        raise ValueError(f"{prefix}argument `{arg}` must be a positive number of seconds, "
-                         f"got {timeout!r}")
-    return float(timeout)
+Tensor = Any  # torch.Tensor or numpy.ndarray
 
 
-class ProcessGroup(PointToPointCalls, CollectiveCalls, PersistentCalls, SymmetricCalls,
-                   ObjectCalls, CallRunner, FastPath, ArgumentChecks, abc.ABC):
+class ProcessGroup:
     """A set of ranks that communicate. Ranks are local to the group: ``0 .. size-1``.
 
     Two ranks, each running::
@@ -87,127 +58,384 @@ class ProcessGroup(PointToPointCalls, CollectiveCalls, PersistentCalls, Symmetri
         else:
             pg.recv(t, src=0)
         pg.close()
+
+    ``ProcessGroup(backend)`` wraps any :class:`~collectives.backend.Backend`;
+    ``init_process_group`` does it for the registered ones.
     """
 
-    #: The registry name of the backend (``"shm"``, ``"zmq"``, ...).
-    backend: str = "abstract"
-
-    def __init__(self, rank: int, size: int, *, timeout: float) -> None:
-        self.rank = rank
-        self.size = size
-        self.timeout = timeout
+    def __init__(self, backend: Backend, *, name: str = "world") -> None:
+        if not isinstance(backend, Backend):
+            raise TypeError(f"ProcessGroup: expected a collectives.Backend, got "
+                            f"{type(backend).__name__} (a backend factory returns a Backend)")
+        #: The :class:`~collectives.backend.Backend` this group runs on.
+        self.transport = backend
+        self.rank: int = backend.rank
+        self.size: int = backend.size
+        #: The registry name of the backend (``"shm"``, ``"zmq"``, ...).
+        self.backend: str = backend.name
+        caps = backend.capabilities
+        self._returns_work = caps.returns_work
+        # What the backend's collective methods receive for a tensor argument.
+        self._stage = to_host if caps.memory == "host" else backend.stage
         self._seq = 0
         self._closed = False
+        self._aborted: Optional[str] = None   # why, once abort() was called
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._pending = 0
         self._pending_lock = threading.Lock()
         self._subgroup_counts: dict[tuple[int, ...], int] = {}
+        self._children: "weakref.WeakSet[ProcessGroup]" = weakref.WeakSet()
+        self._args = Arguments(self.rank, self.size)
         self._where_text: dict[str, str] = {}
-        self._inflight: dict = {}  # Works started and not yet waited for (_track)
-        self._inflight_lock = threading.Lock()
         # COLLECTIVES_DEBUG=1: every collective first checks that all ranks make the same
         # call (collectives.call_check); the flight recorder keeps the last calls for
         # `python -m collectives.doctor` (collectives.flight).
-        self._debug = call_check.debug_enabled()
-        capacity = flight.capacity_from_env()
-        self._recorder: Optional[flight.Recorder] = flight.Recorder(capacity) if capacity else None
-        self._flight_name = "world"
-        # The fast path (collectives.fast_path) for blocking calls on contiguous CPU
-        # memory: not where the debug check must run, nor for a backend whose hooks
+        self._debug: bool = settings.DEBUG.get()
+        capacity = settings.FLIGHT_RECORDER.get()
+        self._recorder: Optional[flight.Recorder] = flight.Recorder(capacity) if capacity \
+            else None
+        self._flight_name = name
+        # The fast path (collectives.fast_path) for blocking calls on contiguous host
+        # memory: not where the debug check must run, nor for a backend whose methods
         # return Works or take something else than host arrays.
         self._host_views = HostViews()
-        self._fast = (not self._debug and not self.hooks_return_work
-                      and type(self)._to_host is ProcessGroup._to_host)
+        self._fast = not self._debug and not caps.returns_work and caps.memory == "host"
 
-    # ------------------------------------------------------------------ transport hooks
-    @abc.abstractmethod
-    def _isend(self, array: np.ndarray, dst: int, tag: int) -> Work:
-        """Start sending the C-contiguous ``array`` to group rank ``dst`` with ``tag``.
+    @property
+    def timeout(self) -> float:
+        """Seconds any blocking wait of this group lasts before ``CollectiveTimeout`` (the
+        backend's: setting it here sets it there)."""
+        return self.transport.timeout
 
-        Tags are non-negative ints below 2**63 (user tags are below 2**31; collectives
-        use higher ones). Messages between one pair with one tag arrive in order. Must be
-        safe to call from the group's async thread while the user thread does the same,
-        and must complete even if the receiver posts its receive later.
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self.transport.timeout = seconds
+
+    def _where(self, op: str) -> str:
+        """``[rank r/n] op``, the location every message of a call starts with (kept per
+        op: a rank's rank and size never change)."""
+        try:
+            return self._where_text[op]
+        except KeyError:
+            text = self._where_text[op] = where_text(self.rank, self.size, op)
+            return text
+
+    # ---------------------------------------------------------------- point to point
+    def isend(self, tensor: Tensor, dst: int, tag: int = 0) -> Work:
+        """Start sending ``tensor`` to ``dst``; the returned Work completes when the
+        buffer may be reused.
+
+        Rank 0: ``pg.isend(t, dst=1).wait()``; rank 1: ``pg.recv(t, src=0)``.
         """
+        return running.start_p2p(self, "isend", tensor, dst, tag, send=True)
 
-    @abc.abstractmethod
-    def _irecv(self, array: np.ndarray, src: int, tag: int) -> Work:
-        """Start receiving into the C-contiguous ``array`` from ``src`` with ``tag``."""
+    def irecv(self, tensor: Tensor, src: int, tag: int = 0) -> Work:
+        """Start receiving into ``tensor`` from ``src``; wait on the Work before use.
 
-    def _send_now(self, array: np.ndarray, dst: int, tag: int) -> None:
-        """A blocking send of the fast path (``pg.send`` of contiguous CPU memory): return
-        once ``array`` may be reused. A backend with a cheaper blocking send overrides it."""
-        self._isend(array, dst, tag).wait()
-
-    def _recv_now(self, array: np.ndarray, src: int, tag: int) -> None:
-        """A blocking receive of the fast path: return once ``array`` holds the message."""
-        self._irecv(array, src, tag).wait()
-
-    @abc.abstractmethod
-    def _barrier(self, seq: int) -> None:
-        """Return once every rank of the group entered the barrier."""
-
-    def _close(self) -> None:
-        """Release the transport's resources (sockets, shared memory, threads)."""
-
-    def _new_group(self, ranks: tuple[int, ...], instance: int) -> "ProcessGroup":
-        """A group over ``ranks`` (sorted group ranks, this rank among them).
-
-        ``instance`` counts earlier groups over the same ranks, identically on every
-        member, so that members can agree on names. The default is a view that runs over
-        this group's point to point with its own tag space.
+        Rank 0: ``pg.send(t, dst=1)``; rank 1: ``w = pg.irecv(t, src=0); w.wait()``.
         """
-        from .subgroup import SubGroup
-        return SubGroup(self, ranks, instance)
+        return running.start_p2p(self, "irecv", tensor, src, tag, send=False)
 
-    def size_thresholds(self) -> "tuple[SizeThreshold, ...]":
-        """The message sizes at which this group's collectives change path (see
-        :mod:`collectives.thresholds`): the conformance suite crosses each from both
-        sides. The default is the send/recv algorithms'; a backend with collectives of its
-        own lists its own lines instead (none, where a library such as MPI decides).
+    def send(self, tensor: Tensor, dst: int, tag: int = 0) -> None:
+        """Send ``tensor`` to ``dst`` and return when its buffer may be reused.
+
+        Rank 0: ``pg.send(t, dst=1)``; rank 1: ``pg.recv(t, src=0)``.
+        """
+        if not (self._fast and fast_p2p(self, "send", self.transport.send_now, tensor, dst,
+                                        tag)):
+            running.start_p2p(self, "send", tensor, dst, tag, send=True).wait()
+
+    def recv(self, tensor: Tensor, src: int, tag: int = 0) -> None:
+        """Receive into ``tensor`` (same shape and dtype as the sender's) from ``src``."""
+        if not (self._fast and fast_p2p(self, "recv", self.transport.recv_now, tensor, src,
+                                        tag)):
+            running.start_p2p(self, "recv", tensor, src, tag, send=False).wait()
+
+    # --------------------------------------------------------------------- collectives
+    def barrier(self, *, async_op: bool = False) -> Optional[Work]:
+        """Return once every rank of the group called ``barrier``.
+
+        Both ranks: ``pg.barrier()`` returns on each once the other called it too.
+        """
+        if self._fast and not async_op and not self._pending:   # (collectives.fast_path)
+            running.check_open(self, "barrier")
+            running.run_numbered(self, "barrier", self.transport.barrier, (), None, None, -1,
+                                 None)
+            return None
+        return running.dispatch(self, "barrier", self.transport.barrier, (), [], async_op)
+
+    def broadcast(self, tensor: Tensor, src: int = 0, *,
+                  async_op: bool = False) -> Optional[Work]:
+        """Copy ``tensor`` of rank ``src`` into ``tensor`` of every rank.
+
+        Both ranks: ``t = np.full(2, pg.rank, np.int64); pg.broadcast(t, src=1)`` ->
+        ``[1, 1]`` everywhere.
+        """
+        if (self._fast and not async_op and not self._pending and type(src) is int
+                and 0 <= src < self.size
+                and fast_collective(self, "broadcast", self.transport.broadcast, tensor, src,
+                                    src, None)):
+            return None
+        w = self._where("broadcast")
+        self._args.tensor(tensor, "tensor", w)
+        src = self._args.rank_of(src, "src", w)
+        buf = self._stage(tensor, where=w, arg="tensor", write=self.rank != src)
+        return running.dispatch(self, "broadcast", self.transport.broadcast,
+                                (_flat(buf), src), [buf], async_op, buf.array.shape,
+                                buf.array.dtype, src)
+
+    def all_reduce(self, tensor: Tensor, op: ReduceOp = ReduceOp.SUM, *,
+                   async_op: bool = False) -> Optional[Work]:
+        """Reduce ``tensor`` over all ranks, in place; every rank gets bitwise-identical
+        values.
+
+        Both ranks: ``t = np.full(2, pg.rank + 1.0); pg.all_reduce(t)`` -> ``[3., 3.]``.
+        """
+        if (self._fast and not async_op and not self._pending and op is not None
+                and fast_collective(self, "all_reduce", self.transport.all_reduce, tensor,
+                                    op, -1, op)):
+            return None
+        w = self._where("all_reduce")
+        self._args.tensor(tensor, "tensor", w)
+        op = check_reducible(op, host_dtype(tensor), w)
+        buf = self._stage(tensor, where=w, arg="tensor", write=True)
+        return running.dispatch(self, "all_reduce", self.transport.all_reduce,
+                                (_flat(buf), op), [buf], async_op, buf.array.shape,
+                                buf.array.dtype, -1, op)
+
+    def reduce(self, tensor: Tensor, dst: int = 0, op: ReduceOp = ReduceOp.SUM, *,
+               async_op: bool = False) -> Optional[Work]:
+        """Reduce ``tensor`` over all ranks into ``tensor`` of rank ``dst``; the other
+        ranks' tensors are left unchanged.
+
+        Both ranks: ``t = np.full(2, pg.rank + 1.0); pg.reduce(t, dst=0)`` -> rank 0 holds
+        ``[3., 3.]``, rank 1 still ``[2., 2.]``.
+        """
+        if (self._fast and not async_op and not self._pending and op is not None
+                and type(dst) is int and 0 <= dst < self.size):   # (collectives.fast_path)
+            found = self._host_views.lookup(tensor)
+            if found is not None and id(op) in found[2]:
+                running.check_open(self, "reduce")
+                running.run_numbered(self, "reduce", self.transport.reduce,
+                                     (found[0], dst, op), found[1], found[3], dst, op)
+                return None
+        w = self._where("reduce")
+        self._args.tensor(tensor, "tensor", w)
+        dst = self._args.rank_of(dst, "dst", w)
+        op = check_reducible(op, host_dtype(tensor), w)
+        buf = self._stage(tensor, where=w, arg="tensor", write=self.rank == dst)
+        return running.dispatch(self, "reduce", self.transport.reduce, (_flat(buf), dst, op),
+                                [buf], async_op, buf.array.shape, buf.array.dtype, dst, op)
+
+    def all_gather(self, output: Tensor, input: Tensor, *,
+                   async_op: bool = False) -> Optional[Work]:
+        """Concatenate every rank's ``input`` along dim 0 into ``output`` (size x input).
+
+        Both ranks: ``out = np.empty(4); pg.all_gather(out, np.full(2, pg.rank * 1.0))`` ->
+        ``[0, 0, 1, 1]``.
+        """
+        if self._fast and not async_op and not self._pending:   # (collectives.fast_path)
+            pair = fast_pair(self, "all_gather", output, input, None)
+            if pair is not None:
+                (out, *_), (inp, shape, _, dtype) = pair
+                running.run_numbered(self, "all_gather", self.transport.all_gather,
+                                     (out, inp), shape, dtype, -1, None)
+                return None
+        w = self._where("all_gather")
+        self._args.pair(output, input, ("output", "input"), w)
+        out = self._stage(output, where=w, arg="output", write=True)
+        inp = self._stage(input, where=w, arg="input", write=False)
+        return running.dispatch(self, "all_gather", self.transport.all_gather,
+                                (_flat(out), _flat(inp)), [out], async_op, inp.array.shape,
+                                inp.array.dtype)
+
+    def gather(self, input: Tensor, output: Optional[Tensor] = None, dst: int = 0, *,
+               async_op: bool = False) -> Optional[Work]:
+        """Concatenate every rank's ``input`` along dim 0 into ``output`` on rank ``dst``
+        (``output`` is ignored, and may be None, elsewhere).
+
+        Rank 0: ``pg.gather(np.zeros(2), out := np.empty(4), dst=0)``; rank 1:
+        ``pg.gather(np.ones(2), None, dst=0)`` -> rank 0's out is ``[0, 0, 1, 1]``.
+        """
+        if (self._fast and not async_op and not self._pending
+                and fast_rooted(self, "gather", self.transport.gather, input, output, dst)):
+            return None
+        w = self._where("gather")
+        self._args.tensor(input, "input", w)
+        dst = self._args.rank_of(dst, "dst", w)
+        out = None
+        if self.rank == dst:
+            if output is None:
+                raise ValueError(f"{w}: argument `output` must be given on the "
+                                 f"destination rank {dst}")
+            self._args.pair(output, input, ("output", "input"), w)
+            out = self._stage(output, where=w, arg="output", write=True)
+        # staged after every check: a backend's stage() may note what it staged
+        inp = self._stage(input, where=w, arg="input", write=False)
+        return running.dispatch(self, "gather", self.transport.gather,
+                                (_flat(inp), None if out is None else _flat(out), dst),
+                                [out] if out else [], async_op, inp.array.shape,
+                                inp.array.dtype, dst)
+
+    def scatter(self, output: Tensor, input: Optional[Tensor] = None, src: int = 0, *,
+                async_op: bool = False) -> Optional[Work]:
+        """Split ``input`` of rank ``src`` into ``size`` equal parts along dim 0; rank i
+        receives part i in ``output`` (``input`` is ignored, and may be None, elsewhere).
+
+        Rank 0: ``pg.scatter(out := np.empty(2), np.arange(4.0), src=0)``; rank 1:
+        ``pg.scatter(out := np.empty(2), None, src=0)`` -> ``[0, 1]`` and ``[2, 3]``.
+        """
+        if (self._fast and not async_op and not self._pending
+                and fast_rooted(self, "scatter", self.transport.scatter, output, input, src)):
+            return None
+        w = self._where("scatter")
+        self._args.tensor(output, "output", w)
+        src = self._args.rank_of(src, "src", w)
+        inp = None
+        if self.rank == src:
+            if input is None:
+                raise ValueError(f"{w}: argument `input` must be given on the source rank {src}")
+            self._args.tensor(input, "input", w)
+            self._args.same_dtype(output, input, ("output", "input"), w)
+            self._args.multiple(input, output, ("input", "output"), w)
+            inp = self._stage(input, where=w, arg="input", write=False)
+        out = self._stage(output, where=w, arg="output", write=True)
+        return running.dispatch(self, "scatter", self.transport.scatter,
+                                (_flat(out), None if inp is None else _flat(inp), src),
+                                [out], async_op, out.array.shape, out.array.dtype, src)
+
+    def reduce_scatter(self, output: Tensor, input: Tensor, op: ReduceOp = ReduceOp.SUM, *,
+                       async_op: bool = False) -> Optional[Work]:
+        """Reduce ``input`` (size x output) over all ranks; rank i receives part i.
+
+        Both ranks: ``pg.reduce_scatter(out := np.empty(1), np.array([1.0, 2.0]))`` ->
+        rank 0 ``[2.]``, rank 1 ``[4.]``.
+        """
+        if (self._fast and not async_op and not self._pending
+                and op is not None):   # (collectives.fast_path)
+            pair = fast_pair(self, "reduce_scatter", input, output, op)
+            if pair is not None:
+                (inp, *_), (out, shape, _, dtype) = pair
+                running.run_numbered(self, "reduce_scatter", self.transport.reduce_scatter,
+                                     (out, inp, op), shape, dtype, -1, op)
+                return None
+        w = self._where("reduce_scatter")
+        self._args.tensor(output, "output", w)
+        self._args.tensor(input, "input", w)
+        self._args.same_dtype(output, input, ("output", "input"), w)
+        op = check_reducible(op, host_dtype(input), w, "input")
+        self._args.multiple(input, output, ("input", "output"), w)
+        out = self._stage(output, where=w, arg="output", write=True)
+        inp = self._stage(input, where=w, arg="input", write=False)
+        return running.dispatch(self, "reduce_scatter", self.transport.reduce_scatter,
+                                (_flat(out), _flat(inp), op), [out], async_op,
+                                out.array.shape, out.array.dtype, -1, op)
+
+    def all_to_all(self, output: Tensor, input: Tensor, *,
+                   output_split_sizes: Optional[Sequence[int]] = None,
+                   input_split_sizes: Optional[Sequence[int]] = None,
+                   async_op: bool = False) -> Optional[Work]:
+        """Rank i sends part j of ``input`` (dim 0) to rank j, which stores it as part i of
+        ``output``. Parts are equal unless split sizes (rows along dim 0) are given.
+
+        Both ranks: ``pg.all_to_all(out := np.empty(2), np.array([10.0 * pg.rank, 10.0 * pg.rank + 1]))``
+        -> rank 0 ``[0., 10.]``, rank 1 ``[1., 11.]``.
+        """
+        if (self._fast and not async_op and not self._pending and output_split_sizes is None
+                and input_split_sizes is None
+                and fast_even_all_to_all(self, output, input)):   # (collectives.fast_path)
+            return None
+        w = self._where("all_to_all")
+        self._args.tensor(output, "output", w)
+        self._args.tensor(input, "input", w)
+        self._args.same_dtype(output, input, ("output", "input"), w)
+        out_counts = self._args.split_counts(output, output_split_sizes, "output", w)
+        in_counts = self._args.split_counts(input, input_split_sizes, "input", w)
+        out = self._stage(output, where=w, arg="output", write=True)
+        inp = self._stage(input, where=w, arg="input", write=False)
+        return running.dispatch(self, "all_to_all", self.transport.all_to_all,
+                                (_flat(out), _flat(inp), out_counts, in_counts), [out],
+                                async_op, None, inp.array.dtype,
+                                counts=(out_counts, in_counts))
+
+    # ----------------------------------------------------------- persistent requests
+    def all_reduce_init(self, tensor: Tensor,
+                        op: ReduceOp = ReduceOp.SUM) -> "persistent.PersistentRequest":
+        """A persistent ``all_reduce(tensor, op)``: checked now, run by each
+        ``start()``/``wait()`` (see :mod:`collectives.persistent`).
+
+        Both ranks: ``req = pg.all_reduce_init(t := np.ones(2)); req.start(); req.wait()``
+        -> ``t == [2., 2.]``.
+        """
+        return persistent.all_reduce_init(self, tensor, op)
+
+    def all_gather_init(self, output: Tensor,
+                        input: Tensor) -> "persistent.PersistentRequest":
+        """A persistent ``all_gather(output, input)`` (output holds size x input).
+
+        Both ranks: ``req = pg.all_gather_init(out := np.empty(2), np.full(1, pg.rank * 1.0))``;
+        ``req.start(); req.wait()`` -> ``out == [0., 1.]``.
+        """
+        return persistent.all_gather_init(self, output, input)
+
+    def reduce_scatter_init(self, output: Tensor, input: Tensor,
+                            op: ReduceOp = ReduceOp.SUM) -> "persistent.PersistentRequest":
+        """A persistent ``reduce_scatter(output, input, op)`` (input holds size x output).
+
+        Both ranks: ``req = pg.reduce_scatter_init(out := np.empty(1), np.array([1.0, 2.0]))``;
+        ``req.start(); req.wait()`` -> rank 0 ``[2.]``, rank 1 ``[4.]``.
+        """
+        return persistent.reduce_scatter_init(self, output, input, op)
+
+    # ---------------------------------------------------------------- other calls
+    def alloc_symmetric(self, nbytes: int) -> np.ndarray:
+        """A zero-filled ``uint8`` array of ``nbytes`` that the backend may share with the
+        peers (collective: same order and ``nbytes`` on every rank; see
+        :mod:`collectives.symmetric`).
+
+        Both ranks: ``buf = pg.alloc_symmetric(16)``; ``a = buf.view(np.float32)``;
+        ``a[:] = pg.rank``; ``pg.all_reduce(a)`` -> ``a == [1., 1., 1., 1.]``.
+        """
+        return symmetric.alloc_symmetric(self, nbytes)
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Return rank ``src``'s ``obj`` on every rank (pickled; for set-up metadata).
+
+        Both ranks: ``cfg = pg.broadcast_object({"lr": 0.1} if pg.rank == 0 else None)``.
+        """
+        return objects.broadcast_object(self, obj, src)
+
+    def all_gather_object(self, obj: Any) -> list:
+        """Return the list of every rank's ``obj`` in rank order (pickled).
+
+        Both ranks: ``pg.all_gather_object(pg.rank)`` -> ``[0, 1]``.
+        """
+        return objects.all_gather_object(self, obj)
+
+    def size_thresholds(self) -> tuple[SizeThreshold, ...]:
+        """The message sizes at which this group's collectives change path: every line
+        of the backend's path table (:mod:`collectives.paths`); the conformance suite
+        crosses each from both sides.
 
         Two ranks: ``[t.name for t in pg.size_thresholds()]`` ->
         ``['algorithms.ALL_REDUCE_RING_BYTES', ...]`` (on a backend using the defaults).
         """
-        return algorithms.dispatch.THRESHOLDS
+        return self.transport.paths().thresholds()
 
-    def _to_host(self, obj: Any, *, where: str, arg: str, write: bool) -> HostBuffer:
-        """The memory the collective hooks run on for argument ``arg`` (see
-        :func:`collectives.buffers.to_host`, the default: host arrays). A backend whose
-        library takes tensors or device memory (torch's gloo, NCCL) overrides it to hand
-        its own hooks those instead."""
-        return to_host(obj, where=where, arg=arg, write=write)
+    def describe(self) -> str:
+        """What this group runs, as text: the backend, its state, and which path each
+        collective takes by message size (the backend's path table).
 
-    # ------------------------------------------------------- collective hooks (host arrays)
-    def _links(self, seq: int) -> "algorithms.Links":
-        return algorithms.Links(self, seq)
+        Two ranks: ``print(pg.describe())`` ->
+        ``ProcessGroup 'world' on shm, rank 0 of 2`` and the table below it.
+        """
+        head = [f"ProcessGroup {self._flight_name!r} on {self.backend}, rank {self.rank} "
+                f"of {self.size}, timeout {self.timeout:g} s"]
+        head += [f"  {line}" for line in self.transport.describe()]
+        table = self.transport.paths().describe(self.size)
+        return "\n".join(head + ([table] if table else []))
 
-    def _broadcast(self, a: np.ndarray, src: int, seq: int) -> None:
-        algorithms.broadcast(self._links(seq), a, src)
-
-    def _all_reduce(self, a: np.ndarray, op: ReduceOp, seq: int) -> None:
-        algorithms.all_reduce(self._links(seq), a, op)
-
-    def _reduce(self, a: np.ndarray, dst: int, op: ReduceOp, seq: int) -> None:
-        algorithms.reduce(self._links(seq), a, dst, op)
-
-    def _all_gather(self, out: np.ndarray, inp: np.ndarray, seq: int) -> None:
-        algorithms.all_gather(self._links(seq), out, inp)
-
-    def _gather(self, inp: np.ndarray, out: Optional[np.ndarray], dst: int, seq: int) -> None:
-        algorithms.gather(self._links(seq), inp, out, dst)
-
-    def _scatter(self, out: np.ndarray, inp: Optional[np.ndarray], src: int, seq: int) -> None:
-        algorithms.scatter(self._links(seq), out, inp, src)
-
-    def _reduce_scatter(self, out: np.ndarray, inp: np.ndarray, op: ReduceOp, seq: int) -> None:
-        algorithms.reduce_scatter(self._links(seq), out, inp, op)
-
-    def _all_to_all(self, out: np.ndarray, inp: np.ndarray, out_counts: Sequence[int],
-                    in_counts: Sequence[int], seq: int) -> None:
-        algorithms.all_to_all(self._links(seq), out, inp, out_counts, in_counts)
-
-    # ------------------------------------------------------------------------ sub-groups
+    # ------------------------------------------------------------------- sub-groups
     def new_group(self, ranks: Sequence[int]) -> "ProcessGroup":
         """A group over ``ranks`` (ranks of this group). Call it on every member rank,
         in the same order relative to other new_group calls; the caller's rank in the
@@ -216,35 +444,64 @@ class ProcessGroup(PointToPointCalls, CollectiveCalls, PersistentCalls, Symmetri
         With four ranks: ``pair = pg.new_group([0, 1]) if pg.rank < 2 else pg.new_group([2, 3])``.
         """
         w = self._where("new_group")
-        if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
-            raise TypeError(f"{w}: argument `ranks` must be a sequence of ints, got "
-                            f"{type(ranks).__name__}")
-        members = [self._check_rank(r, "ranks", w) for r in ranks]
-        if len(set(members)) != len(members) or not members:
-            raise ValueError(f"{w}: argument `ranks` must be non-empty and without "
-                             f"duplicates, got {list(ranks)}")
-        if self.rank not in members:
-            raise ValueError(f"{w}: this rank ({self.rank}) is not in `ranks` "
-                             f"{sorted(members)}; call new_group on member ranks only")
-        key = tuple(sorted(members))
+        running.check_open(self, "new_group")
+        key = self._args.members(ranks, w)
         instance = self._subgroup_counts.get(key, 0)
         self._subgroup_counts[key] = instance + 1
-        group = self._new_group(key, instance)
+        backend = self.transport.new_group(key, instance)
+        if backend is None:
+            backend = SubGroup(self.transport, key, instance)
         # Named by the path from the world group, so every member's flight files agree.
-        group._flight_name = (f"{self._flight_name}.{'-'.join(map(str, key))}"
-                              + (f"#{instance}" if instance else ""))
+        name = (f"{self._flight_name}.{'-'.join(map(str, key))}"
+                + (f"#{instance}" if instance else ""))
+        group = ProcessGroup(backend, name=name)
+        self._children.add(group)
         return group
 
-    # ------------------------------------------------------------------------- lifetime
+    # --------------------------------------------------------------------- lifetime
     def close(self) -> None:
-        """Finish queued async work, then release the transport. Idempotent."""
+        """Finish queued async work, then release the transport, and the same for every
+        sub-group made from this group (a sub-group does not outlive its world).
+        Idempotent."""
         if self._closed:
             return
         self._closed = True
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
-        self._close()
+        for child in list(self._children):
+            child.close()
+        self.transport.close()
+
+    def abort(self, reason: str = "abort() was called") -> None:
+        """End this group now, from any thread: every call pending on it (and on its
+        sub-groups), in any thread, raises :class:`~collectives.errors.GroupAborted`
+        within a second, every later call raises it too, and the transport's resources
+        are released, without waiting for any peer (a dead or stopped one included).
+        The peers see this rank leave: their calls over it fail. Idempotent.
+
+        Rank 0, while rank 1 hangs: ``threading.Timer(5, pg.abort).start();
+        pg.all_reduce(t)`` -> ``GroupAborted: [rank 0/2] all_reduce (seq 3): the group
+        was aborted (abort() was called)``.
+        """
+        if self._aborted is not None:
+            return
+        self._aborted = reason
+        self._closed = True
+        for child in list(self._children):
+            child.abort(reason)
+        try:
+            self.transport.abort()
+        finally:
+            executor, self._executor = self._executor, None
+            if executor is not None:   # its task ends with the backend's waits
+                executor.shutdown(wait=False, cancel_futures=True)
+
+    def aborted_error(self, op: str, seq: int = -1) -> GroupAborted:
+        """The error every call of an aborted group raises (naming ``op`` and the rank)."""
+        where = self._where(op) + (f" (seq {seq})" if seq >= 0 else "")
+        return GroupAborted(f"{where}: the group was aborted ({self._aborted})", op=op,
+                            reason=self._aborted or "")
 
     def __enter__(self) -> "ProcessGroup":
         return self
@@ -253,4 +510,10 @@ class ProcessGroup(PointToPointCalls, CollectiveCalls, PersistentCalls, Symmetri
         self.close()
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} backend={self.backend} rank={self.rank}/{self.size}>"
+        return f"<ProcessGroup backend={self.backend} rank={self.rank}/{self.size}>"
+
+
+def _flat(buf: HostBuffer) -> Any:
+    """The flat buffer a backend method receives for a staged argument."""
+    return buf.array.reshape(-1)
+

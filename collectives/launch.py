@@ -1,26 +1,22 @@
 """Start-up: who am I, how many are we, how do we meet, and which backend.
 
-:func:`init_process_group` reads, in order: explicit arguments; the variables of
+:func:`detect_rendezvous` reads, in order: explicit arguments; the variables of
 ``collectives.spawn`` and torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR``, ``MASTER_PORT``); those of MPI launchers (Open MPI
 ``OMPI_COMM_WORLD_*``, MPICH/Hydra ``PMI_*``, PMIx ``PMIX_*``). With none of them it is a
-world of one. Under an MPI launcher the default backend is ``mpi``, otherwise ``shm``.
+world of one. Under an MPI launcher the default backend is ``mpi``, otherwise ``shm``
+(:func:`default_backend`). This module only reads the environment;
+:func:`collectives.init_process_group` (:mod:`collectives.world`) connects.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 from dataclasses import dataclass
-from typing import Mapping, Optional, Union
+from typing import Mapping, Optional
 
+from . import settings
 from .environment import env_number
-from .group import ProcessGroup, timeout_seconds
-from .registry import get_backend
-
-#: Seconds a blocking wait lasts before ``CollectiveTimeout``, unless told otherwise
-#: (``init_process_group(timeout=...)`` or the ``COLLECTIVES_TIMEOUT`` variable).
-DEFAULT_TIMEOUT = 300.0
 
 
 @dataclass(frozen=True)
@@ -62,11 +58,11 @@ def under_mpi_launcher(env: Optional[Mapping[str, str]] = None) -> bool:
 def job_id(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """What names this job on every rank alike (from the launcher's variables), or None.
 
-    >>> job_id({"COLLECTIVES_JOB_ID": "abc"})
-    'COLLECTIVES_JOB_ID=abc'
+    >>> job_id({settings.JOB_ID.name: "abc"}).endswith("=abc")
+    True
     """
     env = os.environ if env is None else env
-    for name in ("COLLECTIVES_JOB_ID", "TORCHELASTIC_RUN_ID", "OMPI_MCA_ess_base_jobid",
+    for name in (settings.JOB_ID.name, "TORCHELASTIC_RUN_ID", "OMPI_MCA_ess_base_jobid",
                  "PMIX_NAMESPACE", "PMI_KVSNAME"):
         value = env.get(name)
         if value and value != "none":
@@ -102,7 +98,7 @@ def detect_rendezvous(rank: Optional[int] = None, world_size: Optional[int] = No
         rank, world_size = _int(env, "RANK"), _int(env, "WORLD_SIZE")
         if world_size is None:
             raise ValueError("RANK is set but WORLD_SIZE is not; a launcher sets both")
-        launcher = "spawn" if env.get("COLLECTIVES_SPAWNED") else "torchrun"
+        launcher = "spawn" if settings.SPAWNED.get(env) else "torchrun"
         local_rank = _int(env, "LOCAL_RANK")
         local_size = _int(env, "LOCAL_WORLD_SIZE")
     elif under_mpi_launcher(env):
@@ -142,32 +138,7 @@ def _mpi_world_size() -> int:
 
 def default_backend(rendezvous: Rendezvous, env: Optional[Mapping[str, str]] = None) -> str:
     """``COLLECTIVES_BACKEND`` if set, ``mpi`` under an MPI launcher, otherwise ``shm``."""
-    env = os.environ if env is None else env
-    if env.get("COLLECTIVES_BACKEND"):
-        return env["COLLECTIVES_BACKEND"]
+    chosen = settings.BACKEND.get(env)
+    if chosen:
+        return chosen.strip()
     return "mpi" if rendezvous.launcher == "mpi" else "shm"
-
-
-def init_process_group(backend: Optional[str] = None, *, rank: Optional[int] = None,
-                       world_size: Optional[int] = None,
-                       timeout: Union[float, datetime.timedelta, None] = None) -> ProcessGroup:
-    """Connect this process to its world and return the world's :class:`ProcessGroup`.
-
-    The group is an object, not global state: several may coexist. Two ranks started by
-    ``collectives.spawn(main, 2)``, ``torchrun --nproc-per-node 2`` or ``mpirun -n 2``::
-
-        def main():
-            pg = collectives.init_process_group()       # backend from the launcher
-            t = torch.ones(3) * (pg.rank + 1)
-            pg.all_reduce(t)                            # tensor([3., 3., 3.]) on both
-            pg.close()
-    """
-    default = env_number("COLLECTIVES_TIMEOUT", DEFAULT_TIMEOUT, kind=float)
-    seconds = timeout_seconds(timeout, default, where="init_process_group")
-    rendezvous = detect_rendezvous(rank, world_size)
-    if backend is None or backend == "":
-        name, what = default_backend(rendezvous), "the backend in COLLECTIVES_BACKEND"
-    else:
-        name, what = backend, "argument `backend`"
-    factory = get_backend(name, where="init_process_group", what=what)
-    return factory(rendezvous, seconds)

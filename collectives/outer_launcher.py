@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping, Optional
 
+from . import settings
 from .launch import MPI_RANK_VARS, MPI_SIZE_VARS, under_mpi_launcher
 
 
@@ -25,7 +26,7 @@ def outer_launcher(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
     'mpi'
     """
     env = os.environ if env is None else env
-    if env.get("COLLECTIVES_SPAWNED"):
+    if settings.SPAWNED.get(env):
         return None
     if env.get("RANK"):
         return "torchrun"

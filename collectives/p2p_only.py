@@ -10,38 +10,49 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .group import ProcessGroup
+from .backend import Backend
 from .work import Work
 
 
-class P2POnlyGroup(ProcessGroup):
+class P2POnly(Backend):
     """Every collective of ``inner`` through the send/recv defaults; only its point to
-    point and barrier are used."""
+    point and barrier are used.
 
-    def __init__(self, inner: ProcessGroup) -> None:
-        super().__init__(inner.rank, inner.size, timeout=inner.timeout)
-        self.backend = f"p2p:{inner.backend}"
-        self._inner = inner
+    Two ranks: ``collectives.init_process_group("p2p:shm")`` -> a group whose all_reduce
+    is recursive doubling over shm's rings.
+    """
 
-    def _isend(self, array: np.ndarray, dst: int, tag: int) -> Work:
-        return self._inner._isend(array, dst, tag)
+    def __init__(self, inner: Backend) -> None:
+        super().__init__(inner.rank, inner.size, inner.timeout)
+        self.name = f"p2p:{inner.name}"
+        self.inner = inner
 
-    def _irecv(self, array: np.ndarray, src: int, tag: int) -> Work:
-        return self._inner._irecv(array, src, tag)
+    def isend(self, array: np.ndarray, dst: int, tag: int) -> Work:
+        return self.inner.isend(array, dst, tag)
 
-    def _barrier(self, seq: int) -> None:
-        work = self._inner._barrier(seq)  # a Work where the inner's hooks return one
+    def irecv(self, array: np.ndarray, src: int, tag: int) -> Work:
+        return self.inner.irecv(array, src, tag)
+
+    def barrier(self, seq: int) -> None:
+        work = self.inner.barrier(seq)  # a Work where the inner's methods return one
         if work is not None:
             work.wait()
 
-    def _close(self) -> None:
-        self._inner.close()
+    def describe(self) -> list[str]:
+        return [f"the collectives of collectives.algorithms over {self.inner.name}'s "
+                f"point to point"] + self.inner.describe()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def abort(self) -> None:
+        self.inner.abort()
 
 
-def wrap_factory(inner: Callable[..., ProcessGroup]) -> Callable[..., ProcessGroup]:
-    """A factory that builds ``inner``'s group and wraps it in :class:`P2POnlyGroup`."""
+def wrap_factory(inner: Callable[..., Backend]) -> Callable[..., Backend]:
+    """A factory that builds ``inner``'s backend and wraps it in :class:`P2POnly`."""
 
-    def factory(*args: Any, **kwargs: Any) -> ProcessGroup:
-        return P2POnlyGroup(inner(*args, **kwargs))
+    def factory(*args: Any, **kwargs: Any) -> Backend:
+        return P2POnly(inner(*args, **kwargs))
 
     return factory

@@ -40,13 +40,13 @@ The contract (every backend keeps it):
   same round, or make new requests on every rank (as FSDP does after each
   re-allocation).
 
-The base class gives every backend a default: the checked, flat host arrays go straight
-to the backend's collective hook (``_all_reduce`` ...) on the group's thread, in issue
+The group gives every backend a default: the checked, flat host arrays go straight to
+the backend's collective method (``all_reduce`` ...) on the group's thread, in issue
 order with the other async ops; a ``wait()`` that finds its round still queued behind
 nothing runs it on the waiting thread instead (no thread hand-over for a start followed
-at once by a wait). A backend gives a native round through ``_persistent_call`` (shm:
-the path picked once; MPI: ``MPI_Allreduce_init``, ``MPI_Allgather_init``,
-``MPI_Reduce_scatter_block_init``).
+at once by a wait). A backend that declares ``Capabilities.persistent`` gives a native
+round through ``Backend.persistent`` (shm: the path picked once; MPI:
+``MPI_Allreduce_init``, ``MPI_Allgather_init``, ``MPI_Reduce_scatter_block_init``).
 
 Two ranks, a bucket averaged every step::
 
@@ -66,13 +66,13 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from . import running
 from .buffers import HostBuffer, host_dtype
-from .errors import CollectiveError, CollectiveTimeout
+from .errors import CollectiveTimeout
 from .reduce_op import ReduceOp, check_reducible
-from .running import _RecordedWork
 from .work import CompletedWork, Work
 
-__all__ = ["PersistentCalls", "PersistentRequest"]
+__all__ = ["PersistentRequest", "all_gather_init", "all_reduce_init", "reduce_scatter_init"]
 
 Tensor = Any  # torch.Tensor or numpy.ndarray
 
@@ -87,7 +87,7 @@ def _address(obj: Any) -> tuple:
 
 
 def _is_view_of(obj: Any, array: Any) -> bool:
-    """Whether ``array`` (what ``_to_host`` returned) is ``obj``'s own memory, not a
+    """Whether ``array`` (what the group's staging returned) is ``obj``'s own memory, not a
     staged copy."""
     if array is obj:
         return True
@@ -133,7 +133,7 @@ class PersistentRequest:
         has one, unless the memory moved: a native binding is made collectively at
         init and cannot be remade by one rank alone)."""
         g, w = self._group, self._where
-        self._hosts = [g._to_host(obj, where=w, arg=name, write=write)
+        self._hosts = [g._stage(obj, where=w, arg=name, write=write)
                        for name, obj, write in self._args]
         self._flat = [h.array.reshape(-1) for h in self._hosts]
         self._addresses = [_address(obj) for _, obj, _ in self._args]
@@ -143,8 +143,9 @@ class PersistentRequest:
         if self._op == "reduce_scatter":
             described = self._hosts[0].array  # ... as the flight record of the plain call
         self._shape, self._dtype = described.shape, described.dtype
-        call = g._persistent_call(self._op, self._flat, self._reduce_op) if (
-            native and self._zero_copy) else None
+        transport = g.transport
+        call = transport.persistent(self._op, self._flat, self._reduce_op) if (
+            native and self._zero_copy and transport.capabilities.persistent) else None
         if not native:
             self._release()
         self.native = call is not None
@@ -156,14 +157,14 @@ class PersistentRequest:
             release()
 
     def _default_call(self) -> Callable[[int], Optional[Work]]:
-        g, flat, op = self._group, self._flat, self._reduce_op
+        b, flat, op = self._group.transport, self._flat, self._reduce_op
         if self._op == "all_reduce":
             a = flat[0]
-            return lambda seq: g._all_reduce(a, op, seq)
+            return lambda seq: b.all_reduce(a, op, seq)
         out, inp = flat
         if self._op == "all_gather":
-            return lambda seq: g._all_gather(out, inp, seq)
-        return lambda seq: g._reduce_scatter(out, inp, op, seq)
+            return lambda seq: b.all_gather(out, inp, seq)
+        return lambda seq: b.reduce_scatter(out, inp, op, seq)
 
     def _rebind_if_moved(self) -> None:
         if not self._zero_copy:  # staged: take the tensors' current contents
@@ -189,15 +190,14 @@ class PersistentRequest:
                                f"still active; call wait() before starting it again")
         if self._freed:
             raise RuntimeError(f"{self._where}: {method}() called on a freed request")
-        if self._group._closed:
-            raise CollectiveError(f"{self._where}: the group is closed")
+        running.check_open(self._group, self._op + "_init")
         self._rebind_if_moved()
 
     def start(self) -> None:
         """Start one round on the bound tensors' current contents; returns at once."""
         self._ready_to_start("start")
-        self._work = self._group._start_persistent(self._op, self._call, self._hosts,
-                                                   self._shape, self._dtype, self._reduce_op)
+        self._work = _start_round(self._group, self._op, self._call, self._hosts,
+                                  self._shape, self._dtype, self._reduce_op)
 
     def run(self) -> None:
         """One round, blocking: what ``start(); wait()`` does, run on the calling thread.
@@ -213,11 +213,11 @@ class PersistentRequest:
             self._ready_to_start("run")   # raises what is wrong
         self._rebind_if_moved()
         if g._fast and self._zero_copy and not g._pending:  # as a blocking call's fast path
-            g._run_numbered(self._op, self._call, (), self._shape, self._dtype, -1,
-                            self._reduce_op)
+            running.run_numbered(g, self._op, self._call, (), self._shape, self._dtype, -1,
+                                 self._reduce_op)
             return
-        g._dispatch_collective(self._op, self._call, self._hosts, False,
-                               self._shape, self._dtype, -1, self._reduce_op)
+        running.dispatch(g, self._op, self._call, (), self._hosts, False, self._shape,
+                         self._dtype, -1, self._reduce_op)
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block until the round finished; re-raise its error. ``timeout`` (seconds)
@@ -273,14 +273,17 @@ class _QueuedWork(Work):
         with group._pending_lock:
             group._pending += 1
         try:
-            self._future = group._ensure_executor().submit(self._task)
+            self._future = running.executor(group).submit(self._task)
         except BaseException:
             with group._pending_lock:
                 group._pending -= 1
             raise
 
     def _body(self) -> None:
-        self._call(self._seq)
+        try:
+            self._call(self._seq)
+        except BaseException as exc:
+            raise running.failed(self._group, exc, self._op, self._seq)
         for b in self._buffers:
             b.commit()
 
@@ -312,94 +315,69 @@ class _QueuedWork(Work):
             raise CollectiveTimeout(
                 f"{description}: still running after wait(timeout={timeout})",
                 op=self._op, seq=self._seq) from None
+        except concurrent.futures.CancelledError:   # queued when the group was aborted
+            raise group.aborted_error(self._op, self._seq) from None
 
     def is_completed(self) -> bool:
         return self._ran or self._future.done()
 
 
-class PersistentCalls:
-    """``all_reduce_init``, ``all_gather_init``, ``reduce_scatter_init`` (mixed into
-    :class:`~collectives.group.ProcessGroup`) and the base class's part of a round."""
+def all_reduce_init(group: Any, tensor: Tensor, op: ReduceOp) -> PersistentRequest:
+    """``pg.all_reduce_init(tensor, op)``: a persistent ``all_reduce``, checked now."""
+    w = group._where("all_reduce_init")
+    running.check_open(group, "all_reduce_init")
+    group._args.tensor(tensor, "tensor", w)
+    op = check_reducible(op, host_dtype(tensor), w)
+    return PersistentRequest(group, "all_reduce", [("tensor", tensor, True)], op, w)
 
-    def all_reduce_init(self, tensor: Tensor, op: ReduceOp = ReduceOp.SUM) -> PersistentRequest:
-        """A persistent ``all_reduce(tensor, op)``: checked now, run by each
-        ``start()``/``wait()`` (see :mod:`collectives.persistent`).
 
-        Both ranks: ``req = pg.all_reduce_init(t := np.ones(2)); req.start(); req.wait()``
-        -> ``t == [2., 2.]``.
-        """
-        w = self._where("all_reduce_init")
-        self._check_open(w)
-        self._check_tensor(tensor, "tensor", w)
-        op = check_reducible(op, host_dtype(tensor), w)
-        return PersistentRequest(self, "all_reduce", [("tensor", tensor, True)], op, w)
+def all_gather_init(group: Any, output: Tensor, input: Tensor) -> PersistentRequest:
+    """``pg.all_gather_init(output, input)``: a persistent ``all_gather``, checked now."""
+    w = group._where("all_gather_init")
+    running.check_open(group, "all_gather_init")
+    group._args.pair(output, input, ("output", "input"), w)
+    return PersistentRequest(group, "all_gather",
+                             [("output", output, True), ("input", input, False)], None, w)
 
-    def all_gather_init(self, output: Tensor, input: Tensor) -> PersistentRequest:
-        """A persistent ``all_gather(output, input)`` (output holds size x input).
 
-        Both ranks: ``req = pg.all_gather_init(out := np.empty(2), np.full(1, pg.rank * 1.0))``;
-        ``req.start(); req.wait()`` -> ``out == [0., 1.]``.
-        """
-        w = self._where("all_gather_init")
-        self._check_open(w)
-        self._check_tensor(output, "output", w)
-        self._check_tensor(input, "input", w)
-        self._check_same_dtype(output, input, ("output", "input"), w)
-        self._check_multiple(output, input, ("output", "input"), w)
-        return PersistentRequest(self, "all_gather",
-                                 [("output", output, True), ("input", input, False)], None, w)
+def reduce_scatter_init(group: Any, output: Tensor, input: Tensor,
+                        op: ReduceOp) -> PersistentRequest:
+    """``pg.reduce_scatter_init(output, input, op)``: a persistent ``reduce_scatter``."""
+    w = group._where("reduce_scatter_init")
+    running.check_open(group, "reduce_scatter_init")
+    group._args.tensor(output, "output", w)
+    group._args.tensor(input, "input", w)
+    group._args.same_dtype(output, input, ("output", "input"), w)
+    op = check_reducible(op, host_dtype(input), w, "input")
+    group._args.multiple(input, output, ("input", "output"), w)
+    return PersistentRequest(group, "reduce_scatter",
+                             [("output", output, True), ("input", input, False)], op, w)
 
-    def reduce_scatter_init(self, output: Tensor, input: Tensor,
-                            op: ReduceOp = ReduceOp.SUM) -> PersistentRequest:
-        """A persistent ``reduce_scatter(output, input, op)`` (input holds size x output).
 
-        Both ranks: ``req = pg.reduce_scatter_init(out := np.empty(1), np.array([1.0, 2.0]))``;
-        ``req.start(); req.wait()`` -> rank 0 ``[2.]``, rank 1 ``[4.]``.
-        """
-        w = self._where("reduce_scatter_init")
-        self._check_open(w)
-        self._check_tensor(output, "output", w)
-        self._check_tensor(input, "input", w)
-        self._check_same_dtype(output, input, ("output", "input"), w)
-        op = check_reducible(op, host_dtype(input), w, "input")
-        self._check_multiple(input, output, ("input", "output"), w)
-        return PersistentRequest(self, "reduce_scatter",
-                                 [("output", output, True), ("input", input, False)], op, w)
-
-    def _check_open(self, where: str) -> None:
-        if self._closed:
-            raise CollectiveError(f"{where}: the group is closed")
-
-    # ------------------------------------------------------------ backend hooks
-    def _persistent_call(self, op: str, arrays: Sequence[np.ndarray],
-                         reduce_op: Optional[ReduceOp]) -> Optional[Callable[[int], Any]]:
-        """A backend's native round for persistent ``op`` over the flat host ``arrays``
-        (all_reduce: ``[a]``; all_gather, reduce_scatter: ``[out, inp]``), made once:
-        ``call(seq)`` runs (or, in a ``hooks_return_work`` backend, starts and returns the
-        Work of) one round, as the collective hook would. None (the default): the base
-        class calls the hook itself. Called on every rank at the same point of its
-        collectives (the request's init), so it may itself be collective."""
-        return None
-
-    def _start_persistent(self, op: str, call: Callable[[int], Any],
-                          buffers: Sequence[HostBuffer], shape: Any, dtype: Any,
-                          reduce_op: Optional[ReduceOp]) -> Work:
-        """Number one round, check it (debug mode), record it and start it: what
-        ``_dispatch_collective`` does for ``async_op=True``, with pre-checked arguments."""
-        check_seq = self._next_seq(op) if self._debug else -1
-        seq = self._next_seq(op)
-        rec = None if self._recorder is None else self._recorder.start(
-            seq, op, shape, dtype, -1, reduce_op, -1)
-        try:
-            if check_seq >= 0:
-                self._check_same_call(op, check_seq, seq, shape, dtype, -1, reduce_op, None)
-            if self.hooks_return_work:
-                work = self._run_started(op, seq, lambda: call(seq), buffers, True)
-                if work is None:  # done already (a world of one)
-                    work = CompletedWork()
-            else:
-                work = _QueuedWork(self, op, seq, call, buffers)
-        except BaseException as exc:
-            self._record_failure(rec, exc)
-            raise
-        return work if rec is None else _RecordedWork(work, self, rec)
+def _start_round(group: Any, op: str, call: Callable[[int], Any],
+                 buffers: Sequence[HostBuffer], shape: Any, dtype: Any,
+                 reduce_op: Optional[ReduceOp]) -> Work:
+    """Number one round, check it (debug mode), record it and start it: what
+    ``running.dispatch`` does for ``async_op=True``, with pre-checked arguments."""
+    check_seq = running.next_seq(group, op) if group._debug else -1
+    seq = running.next_seq(group, op)
+    recorder = group._recorder
+    rec = None if recorder is None else recorder.start(seq, op, shape, dtype, -1,
+                                                       reduce_op, -1)
+    try:
+        if check_seq >= 0:
+            running.check_same_call(group, op, check_seq, seq, shape, dtype, -1, reduce_op,
+                                    None)
+        if group._returns_work:
+            work = running.run_started(group, op, seq, call, (), buffers, True)
+            if work is None:  # done already (a world of one)
+                work = CompletedWork()
+        else:
+            work = _QueuedWork(group, op, seq, call, buffers)
+    except BaseException as exc:
+        running.record_failure(group, rec, exc)
+        raise
+    if isinstance(work, running.GroupWork):
+        work.rec = rec
+        return work
+    return running.GroupWork(work, group, op, seq, rec, ())

@@ -2,8 +2,10 @@
 entry-point group ``collectives.backends``.
 
 A factory takes ``(rendezvous: collectives.launch.Rendezvous, timeout: float)`` and
-returns a connected :class:`~collectives.group.ProcessGroup`. Choosing ``shm`` imports
-only ``backends.shm``: never ``mpi4py``, ``zmq`` or ``torch.distributed``.
+returns a connected :class:`~collectives.backend.Backend` (a Backend subclass itself is
+such a factory when its constructor takes those two arguments);
+:func:`collectives.init_process_group` wraps it in a ``ProcessGroup``. Choosing ``shm``
+imports only ``backends.shm``: never ``mpi4py``, ``zmq`` or ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ _BUILTIN: dict[str, tuple[str, str | None]] = {
     "shm": ("backends.shm:create", None),
     "zmq": ("backends.zeromq:create", "zmq"),
     "mpi": ("backends.mpi:create", "mpi4py"),
-    "gloo": ("backends.torchdist:create_gloo", "torch"),
-    "nccl": ("backends.torch_nccl:create_nccl", "torch"),
-    "torch": ("backends.torch_nccl:create_auto", "torch"),
+    "gloo": ("backends.torchdist.backend:create_gloo", "torch"),
+    "nccl": ("backends.torchdist.nccl:create_nccl", "torch"),
+    "torch": ("backends.torchdist.nccl:create_auto", "torch"),
 }
 
 _INSTALL_HINT = {"zmq": "pip install 'collectives[zmq]'", "mpi": "pip install 'collectives[mpi]'"}

@@ -1,238 +1,305 @@
-"""Numbering, running and recording a call (mixed into
-:class:`~collectives.group.ProcessGroup`).
+"""Numbering, running and recording one call of a :class:`~collectives.ProcessGroup`.
 
 Every rank numbers its collectives identically: the sequence number names a collective in
 errors and keeps the tags of concurrent operations apart. A call runs inline, or on the
 group's own thread for ``async_op=True`` (one thread, so every rank's ops keep the order
-they were issued in). With ``COLLECTIVES_DEBUG=1`` each collective first checks that all
-ranks make the same call (:mod:`collectives.call_check`); the flight recorder
-(:mod:`collectives.flight`) keeps the last calls for ``python -m collectives.doctor``.
+they were issued in); a backend whose methods return their Work
+(``Capabilities.returns_work``) starts it on the calling thread instead. With
+``COLLECTIVES_DEBUG=1`` each collective first checks that all ranks make the same call
+(:mod:`collectives.call_check`); the flight recorder (:mod:`collectives.flight`) keeps the
+last calls for ``python -m collectives.doctor``. Once the group is aborted, whatever a
+call raises reaches the caller as :class:`~collectives.errors.GroupAborted`.
+
+The functions take the group they run for; the group owns the state they share (its
+sequence number, the count of queued async calls, the recorder), because the fast path
+reads it on every call.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import os
+import time
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
 from . import call_check, flight
 from .buffers import HostBuffer
-from .errors import CollectiveError, add_note
+from .errors import CollectiveError, CollectiveTimeout, GroupAborted, add_note
 from .reduce_op import ReduceOp
-from .work import FutureWork, Work
+from .work import Work
+
+_time = time.time
 
 
-class CallRunner:
-    """Run loop of the group; needs the state ``ProcessGroup.__init__`` sets up."""
+# --------------------------------------------------------------------------- state
+def check_open(group: Any, op: str) -> None:
+    """Raise for a call on a closed group (``GroupAborted`` once it was aborted)."""
+    if group._closed:
+        if group._aborted is not None:
+            raise group.aborted_error(op)
+        raise CollectiveError(f"{group._where(op)}: the group is closed")
 
-    def _next_seq(self, op: str) -> int:
-        if self._closed:
-            raise CollectiveError(f"{self._where(op)}: the group is closed")
-        seq = self._seq
-        self._seq += 1
-        return seq
 
-    def _ensure_executor(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix=f"collectives-{self.backend}-r{self.rank}")
-        return self._executor
+def next_seq(group: Any, op: str) -> int:
+    check_open(group, op)
+    seq = group._seq
+    group._seq += 1
+    return seq
 
-    #: Whether this backend's collective hooks only *start* their operation and return a
-    #: :class:`Work` for it (see :mod:`collectives.hooks`): MPI's and torch's non-blocking
-    #: calls. The base class then calls them on the calling thread, also for
-    #: ``async_op=True``, and waits on (or hands out) the Work they return.
-    hooks_return_work: bool = False
-    #: Works in flight that nobody has waited for yet, this many at most before the
-    #: completed ones are finished (their memory released).
-    TRACK_LIMIT = 64
 
-    def _run(self, op: str, seq: int, fn: Callable[[], Optional[Work]],
-             buffers: Sequence[HostBuffer], async_op: bool) -> Optional[Work]:
-        """Run ``fn`` (the hook) now, or on the group's thread when ``async_op`` (in issue
-        order); for a backend whose hooks return their Work, start it now and wait on it
-        or hand it out."""
-        if self.hooks_return_work:
-            return self._run_started(op, seq, fn, buffers, async_op)
-        if not (async_op or self._pending):  # the hot path: nothing queued, run inline
-            fn()
-            for b in buffers:
-                b.commit()
-            return None
+def failed(group: Any, exc: BaseException, op: str, seq: int) -> BaseException:
+    """What ``exc`` (raised by the backend during ``op``) reaches the caller as: itself,
+    or ``GroupAborted`` once the group was aborted (with ``exc`` as its cause)."""
+    if group._aborted is None or isinstance(exc, GroupAborted):
+        return exc
+    error = group.aborted_error(op, seq)
+    error.__cause__ = exc
+    return error
 
-        def task() -> None:
-            try:
-                fn()
-                for b in buffers:
-                    b.commit()
-            finally:
-                with self._pending_lock:
-                    self._pending -= 1
 
-        with self._pending_lock:
-            self._pending += 1
-        future = self._ensure_executor().submit(task)
-        work = FutureWork(future, f"{self._where(op)} (seq {seq})")
-        if async_op:
-            return work
-        work.wait()  # an async op is still queued: keep the order every rank sees
-        return None
+def executor(group: Any) -> concurrent.futures.ThreadPoolExecutor:
+    if group._executor is None:
+        check_open(group, "async operation")
+        group._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"collectives-{group.backend}-r{group.rank}")
+    return group._executor
 
-    def _run_started(self, op: str, seq: int, fn: Callable[[], Optional[Work]],
-                     buffers: Sequence[HostBuffer], async_op: bool) -> Optional[Work]:
-        self._before_start(async_op)
+
+# ------------------------------------------------------------------------ running
+def run(group: Any, op: str, seq: int, hook: Callable[..., Any], args: tuple,
+        buffers: Sequence[HostBuffer], async_op: bool) -> Optional[Work]:
+    """``hook(*args, seq)`` now, or on the group's thread when ``async_op`` (in issue
+    order); for a backend whose methods return their Work, start it now and wait on it
+    or hand it out."""
+    if group._returns_work:
+        return run_started(group, op, seq, hook, args, buffers, async_op)
+    if not (async_op or group._pending):  # the hot path: nothing queued, run inline
         try:
-            work = fn()
-        except Exception as exc:  # the library's own error: ours, naming the call
-            error = self._translate(exc, op, seq)
-            if error is exc:
-                raise
-            raise error from exc
-        if work is None:  # done already (a world of one)
-            for b in buffers:
-                b.commit()
-            return None
-        if async_op:
-            self._track(work)
-            staged = [b for b in buffers if b.writeback is not None]
-            return _CommitOnWait(work, staged) if staged else work
-        work.wait()  # the group's timeout; the Work raises the backend's typed errors
+            hook(*args, seq)
+        except BaseException as exc:
+            raise failed(group, exc, op, seq)
         for b in buffers:
             b.commit()
         return None
 
-    def _describe(self, op: str, seq: int) -> str:
-        """``[rank r/n] op (seq k)`` for a collective, ``[rank r/n] op`` for point to point
-        (``seq`` -1): how errors name a call."""
-        return f"{self._where(op)} (seq {seq})" if seq >= 0 else self._where(op)
-
-    def _before_start(self, async_op: bool) -> None:
-        """Called before a hook of a ``hooks_return_work`` backend starts its operation
-        (the torch backends order it after the async ops in flight whose memory it
-        shares)."""
-
-    def _translate(self, exc: BaseException, op: str, seq: int,
-                   peer: int = -1) -> BaseException:
-        """This library's typed error for a transport library's exception ``exc`` raised
-        in ``op`` (``seq``; ``peer`` for point to point); ``exc`` itself when it already
-        is one, or when the backend has nothing better to say."""
-        return exc
-
-    # ------------------------------------------------------------ works in flight
-    def _track(self, work: Work) -> None:
-        """Hold ``work`` (started, not yet waited for) until it finishes, so that
-        ``close()`` can finish it and its memory outlives the library's use of it."""
-        with self._inflight_lock:
-            self._inflight[work] = None
-            crowded = len(self._inflight) > self.TRACK_LIMIT
-        if crowded:  # works nobody waits for: finish the completed ones
-            for w in list(self._inflight):
-                w.is_completed()
-
-    def _untrack(self, work: Work) -> None:
-        with self._inflight_lock:
-            self._inflight.pop(work, None)
-
-    def _in_flight(self) -> list:
-        with self._inflight_lock:
-            return list(self._inflight)
-
-    def _dispatch_collective(
-            self, op: str, fn: Callable[[int], None], buffers: Sequence[HostBuffer],
-            async_op: bool, shape: Any = None, dtype: Any = None, root: int = -1,
-            reduce_op: Optional[ReduceOp] = None,
-            counts: Optional[tuple[Sequence[int], Sequence[int]]] = None) -> Optional[Work]:
-        """Number the collective, check the call (debug mode), record it, run it.
-
-        ``fn(seq)`` runs the collective hook; ``shape``, ``dtype``, ``root`` and
-        ``reduce_op`` describe the call for the flight recorder and the debug check
-        (``counts``: all_to_all's elements sent to and received from each rank).
-        """
-        check_seq = self._next_seq(op) if self._debug else -1
-        seq = self._next_seq(op)
-        rec = None if self._recorder is None else self._recorder.start(
-            seq, op, shape, dtype, root, reduce_op, -1)
+    def task() -> None:
         try:
-            if check_seq >= 0:
-                self._check_same_call(op, check_seq, seq, shape, dtype, root, reduce_op, counts)
-            work = self._run(op, seq, lambda: fn(seq), buffers, async_op)
+            hook(*args, seq)
+            for b in buffers:
+                b.commit()
         except BaseException as exc:
-            self._record_failure(rec, exc)
-            raise
-        if rec is not None:
-            if work is None:
-                flight.Recorder.finish(rec)
-            else:
-                work = _RecordedWork(work, self, rec)
+            raise failed(group, exc, op, seq)
+        finally:
+            with group._pending_lock:
+                group._pending -= 1
+
+    with group._pending_lock:
+        group._pending += 1
+    try:
+        future = executor(group).submit(task)
+    except BaseException:
+        with group._pending_lock:
+            group._pending -= 1
+        raise
+    work = FutureWork(future, group, op, seq)
+    if async_op:
         return work
+    work.wait()  # an async op is still queued: keep the order every rank sees
+    return None
 
-    def _check_same_call(self, op: str, check_seq: int, seq: int, shape: Any, dtype: Any,
-                         root: int, reduce_op: Optional[ReduceOp],
-                         counts: Optional[tuple[Sequence[int], Sequence[int]]]) -> None:
-        """The COLLECTIVES_DEBUG exchange: all ranks' descriptions of this call, through
-        the backend's own all_gather, compared on every rank."""
-        text = call_check.describe(op, shape, dtype, root, reduce_op)
-        mine = call_check.encode(text, counts, self.size)
-        every = np.empty(self.size * mine.size, np.uint8)
-        where = f"{self._where(op)} (seq {seq})"
-        out = self._to_host(every, where=where, arg="debug check", write=True)
-        inp = self._to_host(mine, where=where, arg="debug check", write=False)
-        self._run(op, check_seq, lambda: self._all_gather(out.array, inp.array, check_seq),
-                  [out], False)
-        call_check.check(every, rank=self.rank, size=self.size, where=where,
-                         all_to_all=counts is not None)
 
-    def _record_failure(self, rec: Optional[list], exc: BaseException) -> None:
-        """An operation failed: note it in the flight record and, for a communication
-        error, write the record out and say where in the error."""
-        if rec is None:
-            return
-        flight.Recorder.finish(rec, exc)
-        if not isinstance(exc, CollectiveError) or self._recorder is None:
-            return
+def run_started(group: Any, op: str, seq: int, hook: Callable[..., Any], args: tuple,
+                 buffers: Sequence[HostBuffer], async_op: bool) -> Optional[Work]:
+    backend = group.transport
+    backend.before_start(async_op)
+    try:
+        work = hook(*args, seq)
+    except Exception as exc:  # the library's own error: ours, naming the call
+        error = backend.translate(exc, op, seq)
+        raise failed(group, error, op, seq) from (exc if error is not exc else None)
+    if work is None:  # done already (a world of one)
+        for b in buffers:
+            b.commit()
+        return None
+    if async_op:
+        return GroupWork(work, group, op, seq, None,
+                         [b for b in buffers if b.writeback is not None])
+    try:
+        work.wait()  # the group's timeout; the Work raises the backend's typed errors
+    except BaseException as exc:
+        raise failed(group, exc, op, seq)
+    for b in buffers:
+        b.commit()
+    return None
+
+
+def dispatch(group: Any, op: str, hook: Callable[..., Any], args: tuple,
+             buffers: Sequence[HostBuffer], async_op: bool, shape: Any = None,
+             dtype: Any = None, root: int = -1, reduce_op: Optional[ReduceOp] = None,
+             counts: Optional[tuple[Sequence[int], Sequence[int]]] = None) -> Optional[Work]:
+    """Number the collective, check the call (debug mode), record it, run it.
+
+    ``hook(*args, seq)`` is the backend's method; ``shape``, ``dtype``, ``root`` and
+    ``reduce_op`` describe the call for the flight recorder and the debug check
+    (``counts``: all_to_all's elements sent to and received from each rank).
+    """
+    check_seq = next_seq(group, op) if group._debug else -1
+    seq = next_seq(group, op)
+    recorder = group._recorder
+    rec = None if recorder is None else recorder.start(seq, op, shape, dtype, root,
+                                                       reduce_op, -1)
+    try:
+        if check_seq >= 0:
+            check_same_call(group, op, check_seq, seq, shape, dtype, root, reduce_op,
+                             counts)
+        work = run(group, op, seq, hook, args, buffers, async_op)
+    except BaseException as exc:
+        record_failure(group, rec, exc)
+        raise
+    if rec is not None:
+        if work is None:
+            flight.Recorder.finish(rec)
+        elif isinstance(work, GroupWork):
+            work.rec = rec
+        else:
+            work = GroupWork(work, group, op, seq, rec, ())
+    return work
+
+
+def run_numbered(group: Any, op: str, hook: Callable[..., Any], args: tuple, shape: Any,
+                 dtype: Any, root: int, reduce_op: Any) -> None:
+    """``hook(*args, seq)`` on this thread under the next sequence number, recorded as
+    one tuple after it returns: the fast path's run of a blocking call, and a persistent
+    request's ``run()``. The caller checked that the group is open, that it may take the
+    fast path and that nothing is queued."""
+    seq = group._seq
+    group._seq = seq + 1
+    recorder = group._recorder
+    if recorder is None:
         try:
-            path = self._recorder.dump(rank=self.rank, size=self.size, backend=self.backend,
-                                       group=self._flight_name, error=exc)
-        except OSError as dump_error:
-            add_note(exc, f"[rank {self.rank}] could not write the flight record: {dump_error}")
-            return
-        add_note(exc, f"[rank {self.rank}] flight record: {path}\n  compare the ranks with: "
-                      f"python -m collectives.doctor {os.path.dirname(path)}")
+            hook(*args, seq)
+        except BaseException as exc:
+            raise failed(group, exc, op, seq)
+        return
+    t0 = _time()
+    try:
+        hook(*args, seq)
+    except BaseException as exc:
+        fast_failed(group, (seq, op, shape, dtype, root, reduce_op, -1, t0), exc)
+        raise failed(group, exc, op, seq)
+    recorder.append((seq, op, shape, dtype, root, reduce_op, -1, t0, _time(), "ok"))
 
 
-class _RecordedWork(Work):
-    """An operation in flight whose end (or failure) goes into the group's flight record."""
+def fast_failed(group: Any, started: tuple, exc: BaseException) -> None:
+    """Record a fast call that raised (``started``: its record up to the start time) as
+    the general path would, and dump the ring."""
+    rec = [*started, None, "running"]
+    group._recorder.append(rec)
+    record_failure(group, rec, exc)
 
-    def __init__(self, inner: Work, group: "CallRunner", rec: list) -> None:
-        self._inner, self._group, self._rec = inner, group, rec
+
+# ------------------------------------------------------------------ point to point
+def start_p2p(group: Any, op: str, tensor: Any, peer: Any, tag: Any, *, send: bool) -> Work:
+    """Check a send's (``dst``) or receive's (``src``) arguments and post it.
+
+    Point to point is not numbered (it is matched by peer and tag, not by order across
+    the group); each call still goes into the flight record."""
+    w = group._where(op)
+    args = group._args
+    args.tensor(tensor, "tensor", w)
+    peer = args.rank_of(peer, "dst" if send else "src", w, allow_self=False)
+    tag = args.tag(tag, w)
+    check_open(group, op)
+    buf = group._stage(tensor, where=w, arg="tensor", write=not send)
+    backend = group.transport
+    recorder = group._recorder
+    rec = None if recorder is None else recorder.start(-1, op, buf.array.shape,
+                                                       buf.array.dtype, -1, None, peer)
+    try:
+        work = (backend.isend if send else backend.irecv)(buf.array, peer, tag)
+    except BaseException as exc:
+        if group._returns_work and isinstance(exc, Exception):
+            exc = backend.translate(exc, op, -1, peer)
+        exc = failed(group, exc, op, -1)
+        record_failure(group, rec, exc)
+        raise exc
+    return GroupWork(work, group, op, -1, rec, (buf,) if buf.writeback is not None else ())
+
+
+# ------------------------------------------------------------ the debug check
+def check_same_call(group: Any, op: str, check_seq: int, seq: int, shape: Any,
+                     dtype: Any, root: int, reduce_op: Optional[ReduceOp],
+                     counts: Optional[tuple[Sequence[int], Sequence[int]]]) -> None:
+    """The COLLECTIVES_DEBUG exchange: all ranks' descriptions of this call, through the
+    backend's own all_gather, compared on every rank."""
+    text = call_check.describe(op, shape, dtype, root, reduce_op)
+    mine = call_check.encode(text, counts, group.size)
+    every = np.empty(group.size * mine.size, np.uint8)
+    where = f"{group._where(op)} (seq {seq})"
+    out = group._stage(every, where=where, arg="debug check", write=True)
+    inp = group._stage(mine, where=where, arg="debug check", write=False)
+    run(group, op, check_seq, group.transport.all_gather, (out.array, inp.array), [out],
+        False)
+    call_check.check(every, rank=group.rank, size=group.size, where=where,
+                     all_to_all=counts is not None)
+
+
+# ------------------------------------------------------------ the flight record
+def record_failure(group: Any, rec: Optional[list], exc: BaseException) -> None:
+    """An operation failed: note it in the flight record and, for a communication
+    error, write the record out and say where in the error."""
+    if rec is None:
+        return
+    flight.Recorder.finish(rec, exc)
+    recorder = group._recorder
+    if not isinstance(exc, CollectiveError) or recorder is None:
+        return
+    try:
+        path = recorder.dump(rank=group.rank, size=group.size, backend=group.backend,
+                             group=group._flight_name, error=exc)
+    except OSError as dump_error:
+        add_note(exc, f"[rank {group.rank}] could not write the flight record: {dump_error}")
+        return
+    add_note(exc, f"[rank {group.rank}] flight record: {path}\n  compare the ranks with: "
+                  f"python -m collectives.doctor {os.path.dirname(path)}")
+
+
+# ----------------------------------------------------------------------- works
+class GroupWork(Work):
+    """What the group hands out for an operation in flight: the backend's Work, whose
+    end (or failure) goes into the flight record (``rec``), whose staged results are
+    written back into the caller's tensors after the wait (``bufs``), and whose errors
+    become ``GroupAborted`` once the group was aborted."""
+
+    __slots__ = ("_inner", "_group", "_op", "_seq", "rec", "_bufs")
+
+    def __init__(self, inner: Work, group: Any, op: str, seq: int, rec: Optional[list],
+                 bufs: Sequence[HostBuffer]) -> None:
+        self._inner, self._group, self._op, self._seq = inner, group, op, seq
+        self.rec = rec
+        self._bufs: Optional[Sequence[HostBuffer]] = bufs or None
 
     def wait(self, timeout: Optional[float] = None) -> None:
         try:
             self._inner.wait(timeout)
         except BaseException as exc:
-            self._group._record_failure(self._rec, exc)
-            raise
-        if self._rec[flight.END] is None:
-            flight.Recorder.finish(self._rec)
+            error = failed(self._group, exc, self._op, self._seq)
+            if self.rec is not None:
+                record_failure(self._group, self.rec, error)
+            if error is exc:
+                raise
+            raise error
+        self._done()
 
-    def is_completed(self) -> bool:
-        return self._inner.is_completed()
-
-
-class _CommitOnWait(Work):
-    """An operation into staged buffers: copy them into the caller's tensors after the
-    wait."""
-
-    def __init__(self, inner: Work, bufs: "HostBuffer | Sequence[HostBuffer]") -> None:
-        self._inner = inner
-        self._bufs: Optional[list] = [bufs] if isinstance(bufs, HostBuffer) else list(bufs)
-
-    def wait(self, timeout: Optional[float] = None) -> None:
-        self._inner.wait(timeout)
-        if self._bufs is not None:
-            bufs, self._bufs = self._bufs, None
+    def _done(self) -> None:
+        rec = self.rec
+        if rec is not None and rec[flight.END] is None:
+            flight.Recorder.finish(rec)
+        bufs = self._bufs
+        if bufs is not None:
+            self._bufs = None
             for buf in bufs:
                 buf.commit()
 
@@ -244,3 +311,26 @@ class _CommitOnWait(Work):
             for buf in bufs:
                 buf.commit()
         return True
+
+
+class FutureWork(Work):
+    """An operation run by the group's thread (``async_op=True``)."""
+
+    __slots__ = ("_future", "_group", "_op", "_seq")
+
+    def __init__(self, future: "concurrent.futures.Future[object]", group: Any, op: str,
+                 seq: int) -> None:
+        self._future, self._group, self._op, self._seq = future, group, op, seq
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        try:
+            self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise CollectiveTimeout(
+                f"{self._group._where(self._op)} (seq {self._seq}): still running after "
+                f"Work.wait(timeout={timeout})", op=self._op, seq=self._seq) from None
+        except concurrent.futures.CancelledError:   # queued when the group was aborted
+            raise self._group.aborted_error(self._op, self._seq) from None
+
+    def is_completed(self) -> bool:
+        return self._future.done()

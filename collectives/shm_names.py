@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import os
 
+from . import settings
+
 PREFIX = "collectives-"
 SHM_DIR = "/dev/shm"
 
@@ -31,7 +33,7 @@ def remove_job_segments(job_id: str) -> list[str]:
     """Remove every segment of job ``job_id`` (as named by :func:`segment_name` with the
     spawn launcher's job id, ``COLLECTIVES_JOB_ID=<id>``); return the names removed."""
     removed = []
-    for key in (job_id, f"COLLECTIVES_JOB_ID={job_id}"):
+    for key in (job_id, f"{settings.JOB_ID.name}={job_id}"):
         stem = f"{PREFIX}{job_digest(key)}-"
         try:
             names = os.listdir(SHM_DIR)

@@ -25,8 +25,9 @@ import time
 import traceback
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
+from . import settings
 from .errors import CollectiveError, CollectiveTimeout, PeerError
-from .group import timeout_seconds
+from .validation import timeout_seconds
 from .outer_launcher import refuse_under_launcher
 from .registry import check_backend_name
 from .shm_names import remove_job_segments
@@ -116,7 +117,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Ask Linux to SIGKILL this rank if the launching process dies (no orphans)."""
     if sys.platform.startswith("linux"):
         try:
@@ -128,7 +129,7 @@ def _die_with_parent() -> None:
 
 def _rank_main(fn: Callable[..., Any], args: tuple,
                conn: multiprocessing.connection.Connection) -> None:
-    _die_with_parent()
+    die_with_parent()
     # The parent handles Ctrl-C for the whole job and stops us with SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -191,21 +192,21 @@ def spawn(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
     base_env = {
         "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-        "COLLECTIVES_JOB_ID": job_id, "COLLECTIVES_SPAWNED": "1",
+        settings.JOB_ID.name: job_id, settings.SPAWNED.name: "1",
     }
-    base_env["COLLECTIVES_SECRET"] = secrets.token_hex(32)  # authenticates network backends
+    base_env[settings.SECRET.name] = secrets.token_hex(32)  # authenticates network backends
     if backend is not None:
-        base_env["COLLECTIVES_BACKEND"] = backend
+        base_env[settings.BACKEND.name] = backend
     if seconds is not None:
-        base_env["COLLECTIVES_TIMEOUT"] = str(seconds)
+        base_env[settings.TIMEOUT.name] = str(seconds)
     if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
         base_env["OMP_NUM_THREADS"] = "1"  # as torchrun does: N ranks x all cores crawls
     base_env.update(env or {})
 
     procs: list[multiprocessing.process.BaseProcess] = []
     conns: list[multiprocessing.connection.Connection] = []
-    job = _Job(procs, conns, job_id,
-               base_env.get("COLLECTIVES_BACKEND", os.environ.get("COLLECTIVES_BACKEND")))
+    job = SpawnedJob(procs, conns, job_id,
+               base_env.get(settings.BACKEND.name, settings.BACKEND.get()))
     with sigterm_raises():
         try:
             for rank in range(nproc):
@@ -256,7 +257,7 @@ def describe_exit(code: Optional[int], backend: Optional[str] = None) -> str:
     if -code == signal.SIGABRT and (backend or "").split(":")[-1] in _ABORTING_BACKENDS:
         text += (f"; under {backend} a call that does not match the other ranks' (another "
                  f"op, size, dtype or root) can abort inside the library: run with "
-                 f"COLLECTIVES_DEBUG=1 to have the mismatch named (CollectiveMismatch)")
+                 f"{settings.DEBUG.name}=1 to have the mismatch named (CollectiveMismatch)")
     return text
 
 
@@ -288,7 +289,7 @@ def _check_arguments(fn: Any, nproc: Any, args: Any, backend: Any, timeout: Any,
     return tuple(args), seconds
 
 
-class _Job:
+class SpawnedJob:
     """The parent's view of the spawned ranks: results, failures, and clean-up."""
 
     def __init__(self, procs: list, conns: list, job_id: str,

@@ -1,17 +1,23 @@
-"""The default sub-group: a view over its parent's point to point with its own tag space.
+"""The default sub-group: a backend that is a view over its parent backend's point to
+point, with its own tag space.
 
-Backends with a native way to make a communicator (MPI, torch.distributed, shm) override
-``ProcessGroup._new_group``; every other backend gets sub-groups from this file for free.
+Backends with a native way to make a communicator (MPI, torch.distributed, shm, zmq)
+return one from ``Backend.new_group``; for every other backend (``new_group`` returns
+None) ``ProcessGroup.new_group`` runs the sub-group over this view, so sub-groups come
+for free.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 import zlib
+from typing import Optional
 
 import numpy as np
 
-from . import algorithms
-from .group import ProcessGroup
+from .backend import Backend
+from .errors import CollectiveError, CollectiveTimeout
 from .work import Work
 
 #: Tags of a sub-group carry its id above this bit; tags below it are the sub-group's own.
@@ -19,32 +25,76 @@ GROUP_ID_SHIFT = 40
 _GROUP_ID_BITS = 21
 
 
-class SubGroup(ProcessGroup):
-    """Ranks ``ranks`` of ``parent`` as a group of their own.
+class SubGroup(Backend):
+    """Ranks ``ranks`` of ``parent`` as a backend of their own.
 
-    Rank 2 of a four-rank ``pg``: ``sub = pg.new_group([2, 3])`` -> ``sub.rank == 0``.
+    Rank 2 of a four-rank world: ``SubGroup(world_backend, (2, 3), 0).rank == 0``.
     """
 
-    def __init__(self, parent: ProcessGroup, ranks: tuple[int, ...], instance: int) -> None:
+    def __init__(self, parent: Backend, ranks: tuple[int, ...], instance: int) -> None:
         # A sub-group of a sub-group is a sub-group of the root: one level of tag mapping.
         while isinstance(parent, SubGroup):
-            ranks = tuple(parent._ranks[r] for r in ranks)
-            parent = parent._parent
-        super().__init__(ranks.index(parent.rank), len(ranks), timeout=parent.timeout)
-        self.backend = parent.backend
-        self._parent = parent
-        self._ranks = ranks
+            ranks = tuple(parent.ranks[r] for r in ranks)
+            parent = parent.parent
+        super().__init__(ranks.index(parent.rank), len(ranks), parent.timeout)
+        self.name = parent.name
+        #: The backend whose point to point this view runs on, and the members' ranks there.
+        self.parent = parent
+        self.ranks = ranks
         digest = zlib.crc32(repr((ranks, instance)).encode())
         self._tag_offset = ((digest % ((1 << _GROUP_ID_BITS) - 1)) + 1) << GROUP_ID_SHIFT
+        self.aborted = threading.Event()
 
-    def _isend(self, array: np.ndarray, dst: int, tag: int) -> Work:
-        return self._parent._isend(array, self._ranks[dst], self._tag_offset | tag)
+    def isend(self, array: np.ndarray, dst: int, tag: int) -> Work:
+        self._check()
+        return _ViewWork(self.parent.isend(array, self.ranks[dst], self._tag_offset | tag),
+                         self)
 
-    def _irecv(self, array: np.ndarray, src: int, tag: int) -> Work:
-        return self._parent._irecv(array, self._ranks[src], self._tag_offset | tag)
+    def irecv(self, array: np.ndarray, src: int, tag: int) -> Work:
+        self._check()
+        return _ViewWork(self.parent.irecv(array, self.ranks[src], self._tag_offset | tag),
+                         self)
 
-    def _barrier(self, seq: int) -> None:
-        algorithms.barrier(self._links(seq))
+    def _check(self) -> None:
+        if self.aborted.is_set():
+            raise CollectiveError(f"{self.where('point to point')}: the sub-group was aborted")
 
-    def _new_group(self, ranks: tuple[int, ...], instance: int) -> ProcessGroup:
-        return SubGroup(self, ranks, instance)
+    def close(self) -> None:
+        """Nothing of its own to release: the parent's transport stays open."""
+
+    def abort(self) -> None:
+        """End this view's waits (within a slice of :data:`ABORT_SLICE_S`); the parent
+        and its other groups go on."""
+        self.aborted.set()
+
+
+#: How often a wait of a sub-group view looks whether the view was aborted.
+ABORT_SLICE_S = 0.1
+
+
+class _ViewWork(Work):
+    """A parent's Work, waited for in slices so that an abort of the view ends the wait
+    (a Work's ``wait(timeout)`` may be resumed: the operation goes on)."""
+
+    __slots__ = ("_inner", "_view")
+
+    def __init__(self, inner: Work, view: SubGroup) -> None:
+        self._inner, self._view = inner, view
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        limit = self._view.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        while True:
+            if self._view.aborted.is_set():
+                raise CollectiveError(f"{self._view.where('wait')}: the sub-group was aborted")
+            left = deadline - time.monotonic()
+            try:
+                self._inner.wait(max(1e-6, min(ABORT_SLICE_S, left)))
+                return
+            except CollectiveTimeout as exc:
+                if time.monotonic() >= deadline:
+                    raise CollectiveTimeout(f"{exc} (after {limit:g} s in all)", op=exc.op,
+                                            seq=exc.seq, missing=exc.missing) from None
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()

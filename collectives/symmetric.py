@@ -1,6 +1,7 @@
 """Symmetric memory: one buffer per rank, allocated together, that a backend may let the
-peers read and write (mixed into :class:`~collectives.group.ProcessGroup`), as torch's
-``SymmetricMemory`` and NVSHMEM's symmetric heap.
+peers read and write (``pg.alloc_symmetric``), as torch's ``SymmetricMemory`` and
+NVSHMEM's symmetric heap. A backend that declares ``Capabilities.symmetric_memory``
+makes them (``Backend.alloc_symmetric``); the others hand out plain memory.
 
 The contract (every backend keeps it):
 
@@ -43,35 +44,42 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["SymmetricCalls"]
+from typing import Any
+
+from . import running
+
+__all__ = ["alloc_symmetric", "plain_buffer"]
 
 #: Alignment of a buffer's first byte (a cache line: every dtype, and vector loads).
 _ALIGN = 64
 
 
-class SymmetricCalls:
-    """``alloc_symmetric`` (see :mod:`collectives.symmetric`)."""
+def plain_buffer(nbytes: int) -> np.ndarray:
+    """``nbytes`` of zero-filled memory, 64-byte aligned, shared with nobody."""
+    raw = np.zeros(nbytes + _ALIGN, np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    return raw[start:start + nbytes]
 
-    def alloc_symmetric(self, nbytes: int) -> np.ndarray:
-        """A zero-filled ``uint8`` array of ``nbytes`` that the backend may share with the
-        peers (collective: same order and ``nbytes`` on every rank).
 
-        Both ranks: ``buf = pg.alloc_symmetric(16)``; ``a = buf.view(np.float32)``;
-        ``a[:] = pg.rank``; ``pg.all_reduce(a)`` -> ``a == [1., 1., 1., 1.]``.
-        """
-        where = self._where("alloc_symmetric")
-        self._check_open(where)
-        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) \
-                or nbytes < 0:
-            raise ValueError(f"{where}: argument `nbytes` must be a non-negative int, got "
-                             f"{nbytes!r}")
-        # The fast path's views of small tensors would keep earlier buffers alive (see
-        # the contract: a buffer nothing refers to is freed); they are found again.
-        self._host_views.clear()
-        return self._alloc_symmetric(int(nbytes), where)
+def alloc_symmetric(group: Any, nbytes: int) -> np.ndarray:
+    """``pg.alloc_symmetric(nbytes)`` (see the module docstring)."""
+    where = group._where("alloc_symmetric")
+    running.check_open(group, "alloc_symmetric")
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
+        raise ValueError(f"{where}: argument `nbytes` must be a non-negative int, got "
+                         f"{nbytes!r}")
+    transport = group.transport
+    if not transport.capabilities.symmetric_memory:
+        return plain_buffer(int(nbytes))
+    # The fast path's views of small tensors would keep earlier buffers alive (see the
+    # contract: a buffer nothing refers to is freed); they are found again.
+    group._host_views.clear()
 
-    def _alloc_symmetric(self, nbytes: int, where: str) -> np.ndarray:
-        """Backend hook (checked ``nbytes``; called on every rank alike): plain memory."""
-        raw = np.zeros(nbytes + _ALIGN, np.uint8)
-        start = -raw.ctypes.data % _ALIGN
-        return raw[start:start + nbytes]
+    def all_ranks(values: list) -> np.ndarray:
+        """``values`` (ints) of every rank, one row per rank (the group's all_gather)."""
+        mine = np.array(values, np.int64)
+        every = np.zeros(group.size * mine.size, np.int64)
+        group.all_gather(every, mine)
+        return every.reshape(group.size, mine.size)
+
+    return transport.alloc_symmetric(int(nbytes), where, all_ranks)

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import abc
-import concurrent.futures
-from typing import Callable, Optional
-
-from .errors import CollectiveTimeout
+import threading
+from typing import Optional
 
 
 class Work(abc.ABC):
@@ -46,29 +44,42 @@ class CompletedWork(Work):
         return True
 
 
-class FutureWork(Work):
-    """A Work backed by a ``concurrent.futures.Future`` (an op run by a group's thread).
+class InFlight:
+    """The Works a backend started and nobody finished yet, so that ``close()`` can
+    finish them and their memory outlives the library's use of it (MPI's and torch's
+    non-blocking calls). A Work leaves with :meth:`discard` once it finished; past
+    ``limit`` entries the completed ones are asked to finish (those nobody waits for).
 
-    ``on_done`` runs once, in the waiting thread, after a successful wait: it is where
-    staged results are written back into the caller's tensors.
+    >>> live = InFlight(); live.add(w := CompletedWork()); len(live.snapshot())
+    1
     """
 
-    def __init__(self, future: "concurrent.futures.Future[object]", description: str,
-                 on_done: Optional[Callable[[], None]] = None) -> None:
-        self._future = future
-        self._description = description
-        self._on_done = on_done
+    def __init__(self, limit: int = 64) -> None:
+        self.limit = limit
+        self._works: dict = {}
+        self._lock = threading.Lock()
 
-    def wait(self, timeout: Optional[float] = None) -> None:
-        try:
-            self._future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            raise CollectiveTimeout(
-                f"{self._description}: still running after Work.wait(timeout={timeout})",
-                op=self._description) from None
-        if self._on_done is not None:
-            on_done, self._on_done = self._on_done, None
-            on_done()
+    def add(self, work: Work) -> None:
+        with self._lock:
+            self._works[work] = None
+            crowded = len(self._works) > self.limit
+        if crowded:  # works nobody waits for: finish the completed ones
+            for w in self.snapshot():
+                w.is_completed()
 
-    def is_completed(self) -> bool:
-        return self._future.done()
+    def discard(self, work: Work) -> None:
+        with self._lock:
+            self._works.pop(work, None)
+
+    def snapshot(self) -> list:
+        with self._lock:
+            return list(self._works)
+
+    def take_all(self) -> list:
+        """Every Work still held (and forget them)."""
+        with self._lock:
+            works, self._works = list(self._works), {}
+        return works
+
+    def __bool__(self) -> bool:
+        return bool(self._works)

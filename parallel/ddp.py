@@ -63,13 +63,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections import OrderedDict
+import weakref
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from .arguments import check_group, check_module, check_same_replicas
+from .autograd_hooks import collect_outputs, graph_task_id, queue_callback, replace_outputs
 from .bucket import Bucket, assign_buckets
 
 __all__ = ["DDP", "DistributedDataParallel"]
@@ -148,6 +149,9 @@ class DistributedDataParallel(nn.Module):
         # microsecond or two per assignment, and a pass makes several.
         self._pass = _PassState()
         self._hooks = []
+        # Outputs DDP hooked, by id (a tensor's == is elementwise, so no WeakSet): one
+        # returned again by a later forward gets a fresh view.
+        self._hooked: dict[int, weakref.ref] = {}
         for b, bucket in enumerate(self._buckets):
             for slot, p in enumerate(bucket.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(
@@ -192,19 +196,21 @@ class DistributedDataParallel(nn.Module):
         if type(out) is torch.Tensor:   # one tensor, the usual case: no walk
             if not out.requires_grad:
                 return out
-            out = _fresh(out)
-            _hook_fresh_output(out, on_backward)
+            out = _fresh(out, self._hooked)
+            out.register_hook(on_backward)
+            _remember(out, self._hooked)
             return out
         leaves: list = []
-        _collect(out, leaves)
+        collect_outputs(out, leaves)
         if not leaves:
             return out
-        marked = [_fresh(t) for t in leaves]
+        marked = [_fresh(t, self._hooked) for t in leaves]
         for t in marked:
-            _hook_fresh_output(t, on_backward)
+            t.register_hook(on_backward)
+            _remember(t, self._hooked)
         if all(m is t for m, t in zip(marked, leaves)):
             return out
-        return _replace(out, iter(marked))
+        return replace_outputs(out, iter(marked))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -232,7 +238,7 @@ class DistributedDataParallel(nn.Module):
         given their gradient ``grad``, or else the first parameter's hook): say whether
         the pass synchronises, and have the autograd engine call :meth:`_end_backward`
         when the pass is over."""
-        task = _graph_task_id()
+        task = graph_task_id()
         state = self._pass
         if state.sync is not None:
             if task == state.task:
@@ -248,7 +254,7 @@ class DistributedDataParallel(nn.Module):
                     f"were sent; the ranks are out of step. Recreate the process group and "
                     f"the DDP module.")
         state.sync, state.task = sync, task
-        _queue_callback(self._end_backward)
+        queue_callback(self._end_backward)
 
     def _make_hook(self, b: int, slot: int):
         state, bucket = self._pass, self._buckets[b]
@@ -258,12 +264,12 @@ class DistributedDataParallel(nn.Module):
             # hooks saw, and run_adopted() or fill_missing() takes every gradient then:
             # its parameters' hooks only start a pass that no output of ours started.
             def begin_only(param: torch.Tensor) -> None:
-                if state.sync is None or state.task != _graph_task_id():
+                if state.sync is None or state.task != graph_task_id():
                     self._begin_backward(self._require_sync)
             return begin_only
 
         def hook(param: torch.Tensor) -> None:
-            if state.sync is None or state.task != _graph_task_id():
+            if state.sync is None or state.task != graph_task_id():
                 self._begin_backward(self._require_sync)  # no output of ours in this pass
             if param.grad is not view:  # (else adopt has nothing to do)
                 bucket.adopt(slot)
@@ -343,66 +349,18 @@ class _PassState:
         self.next_launch = 0
 
 
-#: An id of the running backward pass (None where this torch cannot tell); called in every
-#: gradient hook, so looked up once.
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: None)
-_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+def _fresh(t: torch.Tensor, hooked: dict) -> torch.Tensor:
+    """``t`` where it was made by an autograd op and DDP has not hooked it yet, else a new
+    view of it (a leaf, or a tensor an earlier forward returned and hooked), so that
+    DDP's hooks never pile up on one tensor."""
+    ref = hooked.get(id(t))
+    if t.grad_fn is not None and (ref is None or ref() is not t):
+        return t
+    return t.view_as(t)
 
 
-#: The key of DDP's hook in an output's hook dictionary: a string, so that it can never be
-#: the integer id of a hook the user registers on the same tensor later.
-_HOOK_KEY = "parallel.DDP"
-
-
-def _fresh(t: torch.Tensor) -> torch.Tensor:
-    """``t`` where it was made by an autograd op and has no hooks yet, else a new view of
-    it (a leaf, or a tensor an earlier forward returned and hooked): what
-    :func:`_hook_fresh_output` takes."""
-    return t if t.grad_fn is not None and not t._backward_hooks else t.view_as(t)
-
-
-def _hook_fresh_output(t: torch.Tensor, hook: Any) -> None:
-    """``t.register_hook(hook)`` for a tensor made by an autograd op that has no hooks yet
-    (``t.grad_fn`` set, ``t._backward_hooks`` None), without its Python wrapper: that
-    wrapper makes a removable handle we never use, and in a training step (caches cold)
-    it cost about 14 us of a 750 us step of the examples' MLP, against about 4 us this way.
-    It is the wrapper's own body: the hook dictionary goes on the tensor and is given to
-    its grad_fn, so hooks the user registers on ``t`` later join the same dictionary.
-    A tensor subclass (whose ``register_hook`` may be its own) and a torch without these
-    internals take the public call."""
-    if type(t) is not torch.Tensor:
-        t.register_hook(hook)
-        return
-    try:
-        t._backward_hooks = OrderedDict(((_HOOK_KEY, hook),))
-        t.grad_fn._register_hook_dict(t)
-    except AttributeError:
-        t._backward_hooks = None
-        t.register_hook(hook)
-
-
-def _collect(obj: Any, out: list) -> None:
-    """The tensors requiring grad in a (nested tuple/list/dict) output, in order."""
-    if isinstance(obj, torch.Tensor):
-        if obj.requires_grad:
-            out.append(obj)
-    elif isinstance(obj, (tuple, list)):
-        for item in obj:
-            _collect(item, out)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            _collect(item, out)
-
-
-def _replace(obj: Any, new: Iterator) -> Any:
-    """``obj`` with the tensors found by :func:`_collect` replaced by ``new``'s, in order."""
-    if isinstance(obj, torch.Tensor):
-        return next(new) if obj.requires_grad else obj
-    if isinstance(obj, tuple):
-        items = [_replace(item, new) for item in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    if isinstance(obj, list):
-        return [_replace(item, new) for item in obj]
-    if isinstance(obj, dict):
-        return type(obj)((k, _replace(v, new)) for k, v in obj.items())
-    return obj
+def _remember(t: torch.Tensor, hooked: dict) -> None:
+    """Note that DDP hooked ``t`` (forgotten when ``t`` dies, before its id can be
+    reused)."""
+    key = id(t)
+    hooked[key] = weakref.ref(t, lambda _, key=key, hooked=hooked: hooked.pop(key, None))

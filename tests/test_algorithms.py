@@ -30,7 +30,7 @@ from collectives.algorithms import (Links, dispatch, dissemination, pairwise,
 from collectives.errors import (CollectiveError, CollectiveMismatch, CollectiveTimeout,
                                 PeerError)
 from collectives.reduce_op import ReduceOp, reduce_arrays
-from collectives.testing.threads import ThreadGroup, run_threads
+from collectives.testing.threads import ThreadBackend, run_threads
 
 torch = pytest.importorskip("torch")
 
@@ -331,7 +331,7 @@ def _count_messages(n: int, call: Callable[[Links, int], None]) -> int:
     """Messages sent by all ranks during ``call(links, rank)`` (the alpha terms)."""
     def fn(g):
         call(Links(g, 0), g.rank)
-        return g.world
+        return g.transport.world
 
     return run_threads(fn, n)[0].messages_sent
 
@@ -393,14 +393,14 @@ def test_dispatch_large_messages_at_real_thresholds(n):
         assert_same(c, inputs[1])
 
 
-# ------------------------------------------------- the public API over ThreadGroup
+# ----------------------------------------------- the public API over ThreadBackend
 def test_process_group_api_on_threads():
     """Every public collective of ProcessGroup on torch tensors, through the default
     algorithms, plus sub-groups and async_op."""
     n = 4
 
     def fn(pg):
-        assert isinstance(pg, ThreadGroup) and pg.backend == "threads"
+        assert isinstance(pg.transport, ThreadBackend) and pg.backend == "threads"
         r = pg.rank
         t = torch.full((3, 2), float(r + 1))
         pg.all_reduce(t)

@@ -139,20 +139,22 @@ _NOT_A_SWITCH = {
 
 def test_every_size_constant_is_a_registered_threshold():
     """A new size constant in a dispatch module fails here until it is listed in a
-    ``size_thresholds()`` (so the suite crosses it) or named as no switch above."""
+    backend's path table (``Backend.paths()``, so the suite crosses it) or named as no
+    switch above."""
     import importlib
     import pkgutil
 
     import backends
     import collectives
-    registered = " ".join(t.name for t in collectives.algorithms.dispatch.THRESHOLDS)
-    for path in ("backends/shm/group.py", "backends/zeromq/group.py"):
+    registered = " ".join(t.name for t in collectives.algorithms.dispatch.PATHS.thresholds())
+    for path in ("backends/shm/group.py", "backends/zeromq/group.py",
+                 "backends/zeromq/native.py"):
         registered += (ROOT / path).read_text()
     unlisted = []
     for pkg in (collectives, backends):
         for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
-            if info.name.endswith(("mpi", "mpi_library", "torchdist", "torch_meeting",
-                                   "torch_work", "__main__")) or ".bench" in info.name:
+            if info.name.startswith(("backends.mpi", "backends.torchdist")) or \
+                    info.name.endswith("__main__") or ".bench" in info.name:
                 continue  # no size switches of ours (the libraries choose), or tooling
             module = importlib.import_module(info.name)
             for name, value in vars(module).items():
@@ -162,7 +164,7 @@ def test_every_size_constant_is_a_registered_threshold():
                         and full not in _NOT_A_SWITCH and name.lstrip("_") not in registered
                         and getattr(module, "__name__", "") == info.name):
                     unlisted.append(full)
-    assert not unlisted, (f"size constants neither in a size_thresholds() nor in "
+    assert not unlisted, (f"size constants neither in a path table nor in "
                           f"_NOT_A_SWITCH: {sorted(set(unlisted))}")
 
 

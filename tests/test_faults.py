@@ -172,7 +172,7 @@ def _hang_slack(backend: str) -> float:
     backends their documented wait for the survivors' reports on top (a sleeping rank
     never reports, so they always wait it out: about timeout + 1 s)."""
     if backend in ("gloo", "torch"):
-        from backends.torch_failures import _TIMEOUT_REPORT_GRACE
+        from backends.torchdist.failures import _TIMEOUT_REPORT_GRACE
         return HANG_SLACK + _TIMEOUT_REPORT_GRACE
     return HANG_SLACK
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from collectives import CollectiveMismatch, CollectiveTimeout, ReduceOp
-from collectives import doctor, flight
+from collectives import doctor, flight, settings
 from collectives.testing.threads import run_threads
 
 
@@ -54,10 +54,10 @@ def test_recorder_can_be_switched_off_and_rejects_a_bad_setting(monkeypatch):
     assert run_threads(lambda pg: pg._recorder, 2) == [None, None]
     monkeypatch.setenv("COLLECTIVES_FLIGHT_RECORDER", "-1")
     with pytest.raises(ValueError, match="COLLECTIVES_FLIGHT_RECORDER"):
-        flight.capacity_from_env()
+        settings.FLIGHT_RECORDER.get()
     monkeypatch.setenv("COLLECTIVES_FLIGHT_RECORDER", "lots")
     with pytest.raises(ValueError, match="COLLECTIVES_FLIGHT_RECORDER"):
-        flight.capacity_from_env()
+        run_threads(lambda pg: None, 2)
 
 
 def test_every_call_is_recorded_with_its_shape_dtype_root_and_peer(flight_dir):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import collectives
+from collectives import running
 from collectives.errors import CollectiveError, CollectiveMismatch
 
 from backends.shm import native
@@ -33,10 +34,10 @@ def _cases() -> dict:
     pg = collectives.init_process_group()
     me, peer = pg.rank, 1 - pg.rank
     general = []                                  # calls that took the general path
-    start_p2p = pg._start_p2p
-    pg._start_p2p = lambda op, *a, **k: (general.append(op), start_p2p(op, *a, **k))[1]
+    start_p2p = running.start_p2p
+    running.start_p2p = lambda g, op, *a, **k: (general.append(op), start_p2p(g, op, *a, **k))[1]
     posted = []                                   # shm: sends the core did not move
-    engine = getattr(pg, "_engine", None) if pg.backend == "shm" else None
+    engine = getattr(pg.transport, "_engine", None) if pg.backend == "shm" else None
     if engine is not None:
         post_send = engine.post_send
         engine.post_send = lambda *a: (posted.append(a[1]), post_send(*a))[1]
@@ -121,7 +122,7 @@ def _cases() -> dict:
     records = pg._recorder.records() if pg._recorder is not None else []
     out["recorded"] = [(r["op"], r["peer"], r["state"]) for r in records
                        if r["op"] in ("send", "recv")][:4]
-    out["native"] = getattr(pg, "native", None)
+    out["native"] = getattr(pg.transport, "native", None)
     pg.close()
     try:
         pg.send(np.zeros(1, np.float32), peer)

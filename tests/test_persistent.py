@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 import collectives  # noqa: E402
 from collectives import CollectiveError, CollectiveMismatch, CollectiveTimeout, ReduceOp  # noqa: E402
+from collectives import running  # noqa: E402
 from collectives.testing.threads import run_threads  # noqa: E402
 
 ROUNDS = 4
@@ -420,10 +421,10 @@ def test_fast_path_follows_tensors_that_change_in_place():
 def test_fast_path_records_and_keeps_the_argument_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("COLLECTIVES_FLIGHT_DIR", str(tmp_path))
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from base_overhead import NoOpGroup
+    from base_overhead import NoOpBackend, NoOpGroup
 
-    class Failing(NoOpGroup):
-        def _all_reduce(self, a, op, seq):
+    class Failing(NoOpBackend):
+        def all_reduce(self, a, op, seq):
             raise CollectiveTimeout("[rank 0/1] all_reduce (seq 1): test", op="all_reduce")
 
     pg = NoOpGroup()
@@ -440,7 +441,7 @@ def test_fast_path_records_and_keeps_the_argument_errors(tmp_path, monkeypatch):
     pg.close()
     with pytest.raises(CollectiveError, match="all_reduce: the group is closed"):
         pg.all_reduce(torch.ones(3))
-    bad = Failing()
+    bad = collectives.ProcessGroup(Failing())
     with pytest.raises(CollectiveTimeout) as info:
         bad.all_reduce(np.ones(2, np.float32))
     assert "flight record" in "\n".join(getattr(info.value, "__notes__", []))
@@ -458,33 +459,34 @@ def test_fast_path_takes_the_two_array_collectives_and_leaves_bad_pairs_to_the_g
     _small_moves_job.)"""
     monkeypatch.setenv("COLLECTIVES_FLIGHT_DIR", str(tmp_path))
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from base_overhead import NoOpGroup
+    from base_overhead import NoOpBackend
 
     hooked = []
 
-    class Pairs(NoOpGroup):
-        def _all_gather(self, out, inp, seq):
+    class Pairs(NoOpBackend):
+        def all_gather(self, out, inp, seq):
             hooked.append(("all_gather", out.shape, inp.shape, seq))
 
-        def _gather(self, inp, out, dst, seq):
+        def gather(self, inp, out, root, seq):
             hooked.append(("gather", out.shape, inp.shape, seq))
 
-        def _scatter(self, out, inp, src, seq):
+        def scatter(self, out, inp, root, seq):
             hooked.append(("scatter", out.shape, inp.shape, seq))
 
-        def _reduce_scatter(self, out, inp, op, seq):
+        def reduce_scatter(self, out, inp, op, seq):
             hooked.append(("reduce_scatter", out.shape, inp.shape, seq))
 
-        def _reduce(self, a, dst, op, seq):
+        def reduce(self, a, root, op, seq):
             hooked.append(("reduce", a.shape, op, seq))
 
-        def _all_to_all(self, out, inp, out_counts, in_counts, seq):
+        def all_to_all(self, out, inp, out_counts, in_counts, seq):
             hooked.append(("all_to_all", out_counts, in_counts, seq))
 
-    pg = Pairs()
+    pg = collectives.ProcessGroup(Pairs())
     general = []
-    real = pg._dispatch_collective
-    pg._dispatch_collective = lambda op, *a, **k: (general.append(op), real(op, *a, **k))[1]
+    real = running.dispatch
+    monkeypatch.setattr(running, "dispatch", lambda g, op, *a, **k: (general.append(op),
+                                                                      real(g, op, *a, **k))[1])
     t = torch.ones(2, 3)
     pg.all_gather(torch.empty(2, 3), t)
     pg.gather(np.ones(4, np.int8), np.empty(4, np.int8), dst=0)
@@ -535,18 +537,18 @@ def test_fast_path_hands_hooks_plain_arrays_only():
     ``__class__``) takes the general path, which hands the hook a real array."""
     import weakref
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from base_overhead import NoOpGroup
+    from base_overhead import NoOpBackend
 
     seen = []
 
-    class Checking(NoOpGroup):
-        def _all_reduce(self, a, op, seq):
+    class Checking(NoOpBackend):
+        def all_reduce(self, a, op, seq):
             seen.append(type(a))
 
-        def _broadcast(self, a, src, seq):
+        def broadcast(self, a, root, seq):
             seen.append(type(a))
 
-    pg = Checking()
+    pg = collectives.ProcessGroup(Checking())
     a = np.ones(3, np.float32)
     pg.all_reduce(weakref.proxy(a))
     pg.broadcast(weakref.proxy(a), 0)
@@ -555,7 +557,7 @@ def test_fast_path_hands_hooks_plain_arrays_only():
     pg.close()
 
 
-def test_fast_path_leaves_unaligned_and_read_only_arrays_to_the_general_path():
+def test_fast_path_leaves_unaligned_and_read_only_arrays_to_the_general_path(monkeypatch):
     """The fast path takes what ``flags.carray`` says (C-contiguous, aligned, writeable):
     an aligned array goes the fast way, an unaligned one the general way (and still
     reduces: the hook gets it), a read-only one the general path's ValueError."""
@@ -564,13 +566,13 @@ def test_fast_path_leaves_unaligned_and_read_only_arrays_to_the_general_path():
 
     pg = NoOpGroup()
     general = []
-    real = pg._dispatch_collective
+    real = running.dispatch
 
-    def spy(op, *args, **kwargs):
+    def spy(group, op, *args, **kwargs):
         general.append(op)
-        return real(op, *args, **kwargs)
+        return real(group, op, *args, **kwargs)
 
-    pg._dispatch_collective = spy
+    monkeypatch.setattr(running, "dispatch", spy)
     pg.all_reduce(np.ones(4, np.float32))
     assert general == []
     unaligned = np.zeros(17, np.uint8)[1:].view(np.float32)

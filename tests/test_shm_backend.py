@@ -75,7 +75,7 @@ def _collectives_job(default_chunk=False, with_torch=False):
     pg = collectives.init_process_group()
     r, n = pg.rank, pg.size
     assert pg.backend == "shm"
-    chunk = pg.chunk_bytes
+    chunk = pg.transport.chunk_bytes
     f32 = np.dtype(np.float32)
     bf16 = np.dtype(ml_dtypes.bfloat16)
     if default_chunk:
@@ -581,7 +581,7 @@ def test_missing_job_id_is_a_clear_error():
     from backends.shm import create
     with pytest.raises(ValueError, match="COLLECTIVES_JOB_ID"):
         create(_rendezvous(0, 2, None), 5.0)
-    pg = create(_rendezvous(0, 1, None), 5.0)   # a world of one needs no name
+    pg = collectives.ProcessGroup(create(_rendezvous(0, 1, None), 5.0))   # no name needed
     t = np.ones(2)
     pg.all_reduce(t, op=ReduceOp.AVG)
     assert t.tolist() == [1.0, 1.0]
@@ -700,7 +700,7 @@ def _modes_job():
         cpu_p2p = time.process_time() - cpu_p2p
         for _ in range(50):
             pg.all_reduce(np.ones(4))
-        results.append((pg.wait_mode, cpu, cpu_p2p))
+        results.append((pg.transport.wait_mode, cpu, cpu_p2p))
         pg.close()
     return results
 

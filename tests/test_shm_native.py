@@ -28,6 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import collectives
+from collectives import settings as variables
 from collectives import ReduceOp
 from collectives.reduce_op import reduce_arrays
 
@@ -196,8 +197,8 @@ def test_the_environment_variable_forces_the_python_path(fresh_loader):
 
 
 def test_the_wait_policy_follows_the_cores(monkeypatch):
-    monkeypatch.delenv(native.SPIN_ENV, raising=False)
-    monkeypatch.delenv(native.YIELD_ENV, raising=False)
+    monkeypatch.delenv(variables.SHM_SPIN_US.name, raising=False)
+    monkeypatch.delenv(variables.SHM_YIELD_US.name, raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     dedicated = tuple(x * 1e-6 for x in native.DEDICATED_WAIT_US)
     over = tuple(x * 1e-6 for x in native.OVERSUBSCRIBED_WAIT_US)
@@ -206,8 +207,8 @@ def test_the_wait_policy_follows_the_cores(monkeypatch):
     assert over[0] < dedicated[0] and over[1] < dedicated[1]
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     assert native.wait_policy(4) == dedicated
-    monkeypatch.setenv(native.SPIN_ENV, "7")
-    monkeypatch.setenv(native.YIELD_ENV, "9")
+    monkeypatch.setenv(variables.SHM_SPIN_US.name, "7")
+    monkeypatch.setenv(variables.SHM_YIELD_US.name, "9")
     assert native.wait_policy(4) == (7e-6, 9e-6)
 
 
@@ -230,7 +231,7 @@ def _both_paths_job() -> dict:
     os.environ[native.NATIVE_ENV] = "1" if me == 0 else "0"
     mixed = pg.new_group([0, 1])                      # rank 0 native, rank 1 Python
     del os.environ[native.NATIVE_ENV]
-    out = {"native": [pg.native, python.native, mixed.native], "bad": []}
+    out = {"native": [pg.transport.native, python.transport.native, mixed.transport.native], "bad": []}
     with np.errstate(all="ignore"):
         for name, op, x in _case_inputs(me):
             results = []
@@ -278,7 +279,7 @@ def _both_paths_job() -> dict:
                         and (me != root or _same(at_root, every))
                         and _same(swapped, np.concatenate(turned))):
                     out["bad"].append(f"gather/scatter family {name} n={n} on the group with "
-                                      f"native={g.native}")
+                                      f"native={g.transport.native}")
     # Point to point between every pair of paths: tags out of order (a message set
     # aside as unexpected), one larger than the ring (streamed by the Python engine),
     # and the reply, whose receive is usually posted before the message comes.
@@ -299,7 +300,7 @@ def _both_paths_job() -> dict:
             g.send(np.arange(7, dtype=np.int16) * 3, 0, tag=9)
             ok = all(np.array_equal(got[t], msgs[t]) for t in msgs)
         if not ok:
-            out["bad"].append(f"point to point on the group with native={g.native}")
+            out["bad"].append(f"point to point on the group with native={g.transport.native}")
     # A thread of this rank runs while the core waits (the peer comes 0.3 s late) and
     # while it moves a large message: the GIL is released in both.
     # The large case runs on a group of 1 MiB slots (a few phases per call, not the 200
@@ -356,7 +357,7 @@ def _capped_pieces_job() -> dict:
     mixed = pg.new_group([0, 1])
     del os.environ[native.NATIVE_ENV]
     os.environ["COLLECTIVES_SHM_CMA"] = "0"   # (the staged path at every size)
-    chunk = pg._piece_layout(4)[1] * 4
+    chunk = pg.transport._piece_layout(4)[1] * 4
     bad = []
     for count in (chunk // 4 - 3, 5 * chunk // 4 + 17, 300_001):
         x = np.random.default_rng([me, count]).standard_normal(count).astype(np.float32)
@@ -371,8 +372,8 @@ def _capped_pieces_job() -> dict:
                 outs.append(y)
             if not all(_same(o, outs[0]) for o in outs[1:]):
                 bad.append(f"{what} n={count}")
-    out = {"bad": bad, "capped": pg._piece_layout(1)[0] == PIECE_MAX_BYTES < pg._S // 3,
-           "native": [pg.native, python.native, mixed.native]}
+    out = {"bad": bad, "capped": pg.transport._piece_layout(1)[0] == PIECE_MAX_BYTES < pg.transport._S // 3,
+           "native": [pg.transport.native, python.transport.native, mixed.transport.native]}
     for g in (mixed, python, pg):
         g.close()
     return out
@@ -406,7 +407,7 @@ def _late_pipelined_job() -> list:
     the core gives up on every first wait at once (``_wait_budget`` 0): Python waits
     phases out between the core's calls, which go on from the next step."""
     pg = collectives.init_process_group()
-    pg._wait_budget = 0.0
+    pg.transport._wait_budget = 0.0
     n, me = pg.size, pg.rank
     a = np.empty(300_001, np.float32)   # about 19 chunks of 64 KiB slots
     right = []
@@ -440,7 +441,7 @@ def _small_hook_job() -> dict:
     than the core waits."""
     pg = collectives.init_process_group()
     me, n = pg.rank, pg.size
-    cls = type(pg)
+    cls = type(pg.transport)
     real = cls._small_reduce_native
     python_calls = []
 
@@ -452,7 +453,7 @@ def _small_hook_job() -> dict:
     out = {"counters_agree": []}
 
     def agree() -> None:   # the core's counter is the phase this rank last published
-        out["counters_agree"].append(pg._native.phase == int(pg._u64[pg._me_arrived]))
+        out["counters_agree"].append(pg.transport._native.phase == int(pg.transport._u64[pg.transport._me_arrived]))
 
     try:
         a = np.empty(5, np.float32)
@@ -483,15 +484,15 @@ def _small_hook_job() -> dict:
         agree()
         out["pending"] = (bool((a == n).all()) and np.array_equal(got, big),
                           len(python_calls) - before)
-        phase = pg._phase
+        phase = pg.transport._phase
         pg.barrier()   # (a phase of the Python wrapper: the counters are one)
         agree()
-        out["phase"] = pg._phase - phase
-        last = pg._phase
+        out["phase"] = pg.transport._phase - phase
+        last = pg.transport._phase
     finally:
         cls._small_reduce_native = real
         pg.close()
-    out["after_close"] = pg._phase == last   # the counter moved back to Python intact
+    out["after_close"] = pg.transport._phase == last   # the counter moved back to Python intact
     return out
 
 
@@ -553,11 +554,12 @@ def _small_moves_job() -> dict:
             return originals[_name](self, *args)
         setattr(CollectiveOps, name, counted)
     general = []
-    real_dispatch = pg._dispatch_collective
-    pg._dispatch_collective = lambda op, *a, **k: (general.append(op),
-                                                   real_dispatch(op, *a, **k))[1]
-    real_exchange = pg._exchange   # a phase Python enters (ops._barrier's, for one)
-    pg._exchange = lambda q: (python_calls.append("_exchange"), real_exchange(q))[1]
+    from collectives import running
+    real_dispatch = running.dispatch
+    running.dispatch = lambda g, op, *a, **k: (general.append(op),
+                                               real_dispatch(g, op, *a, **k))[1]
+    real_exchange = pg.transport._exchange   # a phase Python enters (ops._barrier's, for one)
+    pg.transport._exchange = lambda q: (python_calls.append("_exchange"), real_exchange(q))[1]
     mine = np.arange(6, dtype=np.float32) + 10 * me
     every = np.concatenate([np.arange(6, dtype=np.float32) + 10 * r for r in range(n)])
     sums = sum(every[r * 6:(r + 1) * 6] for r in range(n))
@@ -591,7 +593,7 @@ def _small_moves_job() -> dict:
                 bool(np.array_equal(out, sums)), bool(np.array_equal(swapped, every + me))]
 
     try:
-        res = {"hot": round_(-1), "late": round_(n - 1), "native": pg.native}
+        res = {"hot": round_(-1), "late": round_(n - 1), "native": pg.transport.native}
         res["python_calls"] = list(python_calls)
         res["general"] = list(general)
         # A move the core's `move` did not take (NOT_TAKEN: a dtype or operator it does
@@ -599,8 +601,8 @@ def _small_moves_job() -> dict:
         from backends.shm.ops import OP_ALL_GATHER
         got, seq = np.zeros(6 * n, np.float32), pg._seq
         pg._seq += 1
-        pg._small_move_waits(pg._native_module.MOVE_GATHER, OP_ALL_GATHER, mine, got, -1,
-                             None, mine.nbytes, seq, pg._NOT_TAKEN)
+        pg.transport._small_move_waits(pg.transport._native_module.MOVE_GATHER, OP_ALL_GATHER, mine, got, -1,
+                             None, mine.nbytes, seq, pg.transport._NOT_TAKEN)
         res["not_taken"] = bool(np.array_equal(got, every))
         spare = pg.new_group(list(range(n)))
         try:   # rank 0 expects 2 elements from rank 1, which sends it 1

@@ -9,6 +9,7 @@ import threading
 import pytest
 
 import collectives
+from collectives import settings as variables
 from backends.shm import native, placement
 
 CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -30,8 +31,8 @@ def test_the_choice_follows_the_mode_the_ranks_and_the_cores(monkeypatch):
 
 
 def test_the_wait_policy_counts_the_worlds_ranks_on_the_host(monkeypatch):
-    monkeypatch.delenv(native.SPIN_ENV, raising=False)
-    monkeypatch.delenv(native.YIELD_ENV, raising=False)
+    monkeypatch.delenv(variables.SHM_SPIN_US.name, raising=False)
+    monkeypatch.delenv(variables.SHM_YIELD_US.name, raising=False)
     monkeypatch.setenv(placement.BIND_ENV, "none")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     dedicated = tuple(x * 1e-6 for x in native.DEDICATED_WAIT_US)
@@ -57,11 +58,11 @@ def _placed_job() -> dict:
     started.wait(10)
     before = sorted(os.sched_getaffinity(0))
     pg = collectives.init_process_group()
-    res = {"core": pg.bound_core, "before": before,
+    res = {"core": pg.transport.bound_core, "before": before,
            "during": sorted(os.sched_getaffinity(0)),
            "thread": sorted(os.sched_getaffinity(thread.native_id))}
     sub = pg.new_group(list(range(pg.size)))
-    res["sub_core"], res["sub_spin"] = sub.bound_core, sub._spin_s
+    res["sub_core"], res["sub_spin"] = sub.transport.bound_core, sub.transport._spin_s
     sub.close()
     pg.barrier()
     pg.close()

@@ -187,11 +187,11 @@ def _two_ranks_in_one_process():
     import secrets
     import threading
 
-    from backends.shm.group import ShmGroup
+    from backends.shm.group import ShmBackend
     job, groups = f"race-{secrets.token_hex(4)}", [None, None]
 
     def open_rank(r):
-        groups[r] = ShmGroup.open(job, "world", r, 2, 10.0, (0, 1))
+        groups[r] = ShmBackend.open(job, "world", r, 2, 10.0, (0, 1))
 
     threads = [threading.Thread(target=open_rank, args=(r,)) for r in (0, 1)]
     for t in threads:
@@ -240,7 +240,7 @@ def test_a_message_sent_before_its_sender_closed_is_received():
     try:
         got = np.zeros(3, np.int64)
         op = engine.post_recv(got, 1, 7, dtype_code(got.dtype))
-        g1.send(np.array([5, 6, 7], np.int64), dst=0, tag=7)   # into the ring ...
+        g1.send_now(np.array([5, 6, 7], np.int64), 0, 7)       # into the ring ...
         g1.close()                                             # ... and closed
         assert real[g0._state_idx[1]] == sg.STATE_CLOSED
         # Until the receiver reads the peer's state, its looks at the ring find nothing

@@ -103,7 +103,7 @@ def _unspy(cls, saved: tuple) -> None:
 
 def _job() -> dict:
     pg = collectives.init_process_group()
-    cls = type(pg)
+    cls = type(pg.transport)
     taken, bound = [], []
     saved = _spy_in_place(cls, taken, bound)
     out: dict = {"rank": pg.rank}
@@ -114,7 +114,7 @@ def _job() -> dict:
                         and not buf.any() and buf.ctypes.data % 64 == 0
                         and buf.flags.writeable)
         pg.barrier()  # every rank unlinked its name once its own alloc returned
-        out["linked"] = [r for r in range(pg.size) if os.path.exists(pg._symmetric_path(0, r))]
+        out["linked"] = [r for r in range(pg.size) if os.path.exists(pg.transport._symmetric_path(0, r))]
 
         results = []
         for name, op, count, offset in CASES:
@@ -188,7 +188,7 @@ def _job() -> dict:
 
         # The last rank cannot reserve its pages (a full /dev/shm): plain memory on every
         # rank, a warning on it and on the lowest other rank, the all_reduce still right.
-        before = len(pg._symmetric)
+        before = len(pg.transport._symmetric)
         real_fallocate = os.posix_fallocate
 
         def full(fd, offset, length):
@@ -208,17 +208,17 @@ def _job() -> dict:
         pg.all_reduce(b)
         pg.barrier()
         out["fallback"] = {
-            "kept": len(pg._symmetric) == before and plain_buf.ctypes.data % 64 == 0,
+            "kept": len(pg.transport._symmetric) == before and plain_buf.ctypes.data % 64 == 0,
             "sum": bool((b == pg.size * (pg.size + 1) / 2).all()),
             "in_place": taken[:1] == [True],
             "warnings": [str(w.message) for w in caught],
             "linked": [r for r in range(pg.size)
-                       if os.path.exists(pg._symmetric_path(pg._symmetric_count - 1, r))]}
+                       if os.path.exists(pg.transport._symmetric_path(pg.transport._symmetric_count - 1, r))]}
 
         from parallel import DDP
         ddp = DDP(torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 4)), pg)
         out["ddp_buckets_shared"] = all(
-            pg._symmetric_place(b.flat.numpy())[0] > 0 for b in ddp.buckets)
+            pg.transport._symmetric_place(b.flat.numpy())[0] > 0 for b in ddp.buckets)
         taken.clear()
         ddp(torch.randn(8, 64)).sum().backward()
         out["ddp_in_place"] = taken == [True] * len(ddp.buckets)
@@ -263,8 +263,8 @@ def _late_job() -> list:
     first wait at once (``_wait_budget`` 0): Python waits the vote phase and the last one
     out, and the core resumes after the vote."""
     pg = collectives.init_process_group()
-    pg._wait_budget = 0.0
-    cls = type(pg)
+    pg.transport._wait_budget = 0.0
+    cls = type(pg.transport)
     real_settle = cls._settle
     settled, in_place, bound = [], [], []
 
@@ -290,7 +290,7 @@ def _late_job() -> list:
     finally:
         cls._settle = real_settle
         _unspy(cls, saved)
-        native = pg.native
+        native = pg.transport.native
         pg.close()
     return {"right": right, "native": native, "settled": len(settled) > 0,
             "in_place": in_place == [True] * 12, "bound": len(bound)}
@@ -308,7 +308,7 @@ def test_late_ranks_and_waits_past_the_core_budget(nproc):
 def _sym_mappings(pg) -> list:
     """The indexes of the symmetric buffers of ``pg`` that this process maps (its own or
     a peer's), one entry per mapping, sorted."""
-    stem = os.path.basename(pg._symmetric_path(0, 0)).rsplit(".sym", 1)[0] + ".sym"
+    stem = os.path.basename(pg.transport._symmetric_path(0, 0)).rsplit(".sym", 1)[0] + ".sym"
     found = []
     with open("/proc/self/maps") as maps:
         for line in maps:
@@ -325,7 +325,7 @@ def _released_job() -> dict:
     in place; a rank whose buffer is gone while a peer still uses its copy declines, and
     the call is right."""
     pg = collectives.init_process_group()
-    cls = type(pg)
+    cls = type(pg.transport)
     taken, bound = [], []
     saved = _spy_in_place(cls, taken, bound)
     out: dict = {}
@@ -343,7 +343,7 @@ def _released_job() -> dict:
             del req
         out["right"], out["in_place"] = right, in_place
         out["mapped"] = _sym_mappings(pg)          # this one's and the last one's
-        out["table"] = (len(pg._symmetric), sum(1 for e in pg._symmetric if e[1]))
+        out["table"] = (len(pg.transport._symmetric), sum(1 for e in pg.transport._symmetric if e[1]))
         # Every rank lets a buffer go and maps plain memory at once: the kernel hands out
         # the same range, and an array there is in no buffer (it was taken for one in
         # the old buffer, and reduced with the peers' old copies, before entries were
@@ -355,7 +355,7 @@ def _released_job() -> dict:
         x = np.frombuffer(plain, np.float32)
         x[:] = pg.rank + 1
         pg.all_reduce(x)
-        out["reused"] = (x.ctypes.data == address, pg._symmetric_place(x),
+        out["reused"] = (x.ctypes.data == address, pg.transport._symmetric_place(x),
                          bool((x == sum(range(1, pg.size + 1))).all()))
         del x
         # Rank 0 lets its copy of the last buffer go; the others still reduce in it.
@@ -404,8 +404,8 @@ def _two_groups_job() -> dict:
         pg.all_reduce(a)
         pair.all_reduce(b)
         right += [bool((a == 1 + 2 * i).all()), bool((b == 30.0).all())]
-    out = {"right": right, "places": (len(pg._symmetric_places), len(pair._symmetric_places)),
-           "shared": (type(pg)._symmetric_places, type(pg)._symmetric_plans)}
+    out = {"right": right, "places": (len(pg.transport._symmetric_places), len(pair.transport._symmetric_places)),
+           "shared": (type(pg.transport)._symmetric_places, type(pg.transport)._symmetric_plans)}
     pair.close()
     pg.close()
     return out
@@ -466,9 +466,9 @@ def _refused_push_job() -> dict:
     g.all_reduce(a)                       # plans made, the vote known to pass
     a[:] = pg.rank + 1.0
     pg.barrier()
-    out = {"native": g.native}
+    out = {"native": g.transport.native}
     if pg.rank == 0:
-        g._u64[g._state_idx[0]] = sg.STATE_FAILED
+        g.transport._u64[g.transport._state_idx[0]] = sg.STATE_FAILED
     else:
         time.sleep(0.3)                   # rank 0 votes first, rank 1 sees it arrived
     try:

@@ -22,7 +22,7 @@ from collectives.testing import (CollectiveCase, LauncherUnavailable, PoolError,
                                  reference, run_case, spawn_launcher)
 from collectives.testing.execution import SENTINEL, CaseResult, _Tensor, array_diff
 from collectives.testing.strategies import DTYPES, FLOAT_DTYPES, OPS, REDUCING_OPS, ROOT_ARG
-from collectives.testing.threads import ThreadGroup, ThreadWorld, run_threads
+from collectives.testing.threads import ThreadBackend, ThreadWorld, run_threads
 
 A, B = np.array([1, 2, 3, 4]), np.array([10, 20, 30, 40])
 
@@ -199,32 +199,32 @@ def test_run_case_on_a_thread_world_matches_the_reference(world_size):
     conforms()
 
 
-class _Broken(ThreadGroup):
+class _Broken(ThreadBackend):
     """A thread rank with one deliberate bug, chosen by ``bug``."""
 
     bug = ""
 
-    def _all_gather(self, out, inp, seq):
-        super()._all_gather(out, inp, seq)
+    def all_gather(self, out, inp, seq):
+        super().all_gather(out, inp, seq)
         if self.bug == "reversed":
             parts = out.reshape(self.size, -1)
             parts[:] = parts[::-1].copy()
         if self.bug == "scribble":
             inp[...] = 0
 
-    def _reduce(self, a, dst, op, seq):
-        super()._reduce(a, dst, op, seq)
-        if self.bug == "non-root" and self.rank != dst:
+    def reduce(self, a, root, op, seq):
+        super().reduce(a, root, op, seq)
+        if self.bug == "non-root" and self.rank != root:
             a[...] = 0
 
-    def _all_reduce(self, a, op, seq):
-        super()._all_reduce(a, op, seq)
+    def all_reduce(self, a, op, seq):
+        super().all_reduce(a, op, seq)
         if self.bug == "drift" and self.rank == 1:
             a.view(np.uint8)[:1] ^= 1  # one bit of rank 1's result
 
-    def _broadcast(self, a, src, seq):
+    def broadcast(self, a, root, seq):
         if self.bug != "raise":
-            super()._broadcast(a, src, seq)
+            super().broadcast(a, root, seq)
         else:
             raise RuntimeError("broken broadcast")
 
@@ -232,9 +232,9 @@ class _Broken(ThreadGroup):
 def _run_broken(bug: str, case: CollectiveCase, n: int = 2) -> list[CaseResult]:
     """``case`` on a thread world of :class:`_Broken` ranks."""
     world = ThreadWorld(n, timeout=5)
-    world.groups = [_Broken(world, r) for r in range(n)]
+    world.groups = [collectives.ProcessGroup(_Broken(world, r)) for r in range(n)]
     for g in world.groups:
-        g.bug = bug
+        g.transport.bug = bug
     results: list = [None] * n
 
     def rank_main(r: int) -> None:
@@ -332,16 +332,16 @@ def _register_backends():
 
 
 def _create_broken(rendezvous, timeout):
-    """An shm group whose all_gather zeroes the first element of its output."""
-    group = collectives.get_backend("shm")(rendezvous, timeout)
-    all_gather = group._all_gather
+    """An shm backend whose all_gather zeroes the first element of its output."""
+    backend = collectives.get_backend("shm")(rendezvous, timeout)
+    all_gather = backend.all_gather
 
     def broken(out, inp, seq):
         all_gather(out, inp, seq)
         out[0] = 0 if out.size and out[0] else 1
 
-    group._all_gather = broken
-    return group
+    backend.all_gather = broken
+    return backend
 
 
 @pytest.fixture(scope="module")

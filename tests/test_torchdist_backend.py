@@ -215,9 +215,9 @@ def check_reduce_scatter(pg):
                                                    ReduceOp.PRODUCT)]
     cases += [(np.dtype(np.int16), ReduceOp.SUM), (BF16, ReduceOp.SUM), (BF16, ReduceOp.AVG),
               (np.dtype(np.float16), ReduceOp.MIN), (np.dtype(np.int64), ReduceOp.SUM)]
-    default = pg._native_reduce_scatter  # False on gloo: all_reduce + slice
+    default = pg.transport.native_reduce_scatter  # False on gloo: all_reduce + slice
     for native in (True, False):  # torch's _reduce_scatter_base, then the fallback
-        pg._native_reduce_scatter = native
+        pg.transport.native_reduce_scatter = native
         for seed, (dtype, op) in enumerate(cases, start=400):
             ins = _inputs(n, (n * 4, 3), dtype, seed)
             inp = ins[r].copy()
@@ -232,7 +232,7 @@ def check_reduce_scatter(pg):
         pg.reduce_scatter(out, big[r])
         ref = reduce_arrays(ReduceOp.SUM, big)[5000 * r:5000 * (r + 1)]
         expect(np.allclose(out, ref, rtol=1e-5, atol=1e-5), "reduce_scatter random")
-    pg._native_reduce_scatter = default
+    pg.transport.native_reduce_scatter = default
 
 
 def check_all_to_all(pg):
@@ -462,7 +462,8 @@ def _job():
     report = {}
     for check in CHECKS:
         _FAILED.clear()
-        expect(pg.backend == "gloo" and type(pg).__module__ == "backends.torchdist")
+        expect(pg.backend == "gloo"
+               and type(pg.transport).__module__ == "backends.torchdist.backend")
         check(pg)
         report[check.__name__] = "\n".join(_FAILED) or None
     pg.close()
@@ -527,13 +528,13 @@ def test_registry_lists_gloo_and_torch():
     names = collectives.available_backends()
     assert "gloo" in names and "torch" in names
     assert ("nccl" in names) == torch.cuda.is_available()
-    from backends import torch_nccl, torchdist
-    assert collectives.get_backend("gloo") is torchdist.create_gloo
-    assert collectives.get_backend("torch") is torch_nccl.create_auto
+    from backends.torchdist import backend, nccl
+    assert collectives.get_backend("gloo") is backend.create_gloo
+    assert collectives.get_backend("torch") is nccl.create_auto
 
 
 def test_wire_tags_fit_a_c_int():
-    from backends.torchdist import _wire_tag
+    from backends.torchdist.tensors import wire_tag as _wire_tag
     from collectives.algorithms.links import COLLECTIVE_TAG_BIT
     assert [_wire_tag(t) for t in (0, 5, 2 ** 31 - 1)] == [0, 5, 2 ** 31 - 1]
     internal = [COLLECTIVE_TAG_BIT | (seq << 12) | step
@@ -549,16 +550,16 @@ def test_torch_errors_become_typed_errors(no_launcher):
     try:
         gone = RuntimeError("[/x/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
                             "[127.0.0.1]:6302. This is typically caused by a crash.\nmore")
-        err = pg._translate(gone, "all_reduce", 4)
+        err = pg.transport.translate(gone, "all_reduce", 4)
         assert isinstance(err, PeerError) and "pair.cc" not in str(err)
         assert str(err).startswith("[rank 0/1] all_reduce (seq 4): ")
         late = RuntimeError("[x/unbound_buffer.cc:78] Timed out waiting 3000ms for recv")
-        err = pg._translate(late, "irecv(src=1, tag=0)", -1, 1)
+        err = pg.transport.translate(late, "irecv(src=1, tag=0)", -1, 1)
         assert isinstance(err, CollectiveTimeout) and err.missing == (1,)
-        err = pg._translate(RuntimeError("Application timeout caused pair closure"),
+        err = pg.transport.translate(RuntimeError("Application timeout caused pair closure"),
                             "barrier", 9)
         assert isinstance(err, CollectiveTimeout) and "earlier" in str(err)
-        assert type(pg._translate(RuntimeError("boom"), "x", 1)) is CollectiveError
+        assert type(pg.transport.translate(RuntimeError("boom"), "x", 1)) is CollectiveError
     finally:
         pg.close()
 

@@ -57,7 +57,7 @@ def _same(a, b) -> bool:
 def _job_collectives(large: bool):
     pg = collectives.init_process_group()
     r, n = pg.rank, pg.size
-    assert pg.backend == "zmq" and pg.auth_mode == "secret", pg.auth_mode
+    assert pg.backend == "zmq" and pg.transport.auth_mode == "secret", pg.transport.auth_mode
     f32, bf16 = np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)
     seed = 0
     # all_reduce and reduce: sizes around the direct / reduce-scatter threshold and the
@@ -153,9 +153,9 @@ def _job_collectives(large: bool):
         x = np.full(10, r + 1.0)
         sub.all_reduce(x)
         assert (x == 1 + n).all()
-        assert sub.connections.keys() == {1 - sub.rank}
+        assert sub.transport.connections.keys() == {1 - sub.rank}
     pg.barrier()
-    objs = pg.all_gather_object({"rank": r, "eps": pg.endpoints})
+    objs = pg.all_gather_object({"rank": r, "eps": pg.transport.endpoints})
     assert [o["rank"] for o in objs] == list(range(n))
     digest = None
     if large:  # 64 MiB, once: results right and bitwise identical on every rank
@@ -173,7 +173,7 @@ def _job_collectives(large: bool):
         assert len(set(digests)) == 1
         digest = (digest, elapsed)
     pg.close()
-    return {"stats": pg.stats, "large": digest}
+    return {"stats": pg.transport.stats, "large": digest}
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -231,9 +231,9 @@ def _job_reduce_from_received_parts():
         unexpected = None
         if r == late:
             time.sleep(0.3)
-            before = pg.stats["unexpected"]
-            pg._engine._drain_if_free()  # read what the peers sent before this rank's call
-            unexpected = pg.stats["unexpected"] > before
+            before = pg.transport.stats["unexpected"]
+            pg.transport._engine._drain_if_free()  # read what the peers sent before this rank's call
+            unexpected = pg.transport.stats["unexpected"] > before
         pg.all_reduce(a, op=op)
         pair = n == 2 and a.nbytes <= native.PAIR_ONE_ROUND_BYTES
         if pair:  # the documented order: a0 op a1 on both ranks
@@ -579,8 +579,8 @@ def _job_close():
     while master in _listening_ports() and time.monotonic() < deadline:
         time.sleep(0.01)
     rendezvous_open_after_init = master in _listening_ports()
-    port = int(pg.endpoints["tcp"].rsplit(":", 1)[1])
-    ipc_dir = os.path.dirname(pg.endpoints["ipc"][len("ipc://"):])
+    port = int(pg.transport.endpoints["tcp"].rsplit(":", 1)[1])
+    ipc_dir = os.path.dirname(pg.transport.endpoints["ipc"][len("ipc://"):])
     listening = port in _listening_ports()
     a = np.ones(1 << 20, np.float32)  # zero-copy sends
     pg.all_reduce(a, async_op=True).wait()
@@ -659,7 +659,7 @@ def _attack(endpoint: str, victim: int) -> int:
 def _job_under_attack():
     pg = collectives.init_process_group()
     r = pg.rank
-    endpoints = pg.all_gather_object(pg.endpoints["tcp"])
+    endpoints = pg.all_gather_object(pg.transport.endpoints["tcp"])
     sent = _attack(endpoints[1], 1) if r == 0 else 0
     pg.barrier()
     config = pg.broadcast_object({"lr": 0.5} if r == 0 else None, src=0)
@@ -670,7 +670,7 @@ def _job_under_attack():
         pg.send(np.full(3, 7.0), dst=1)
     else:
         pg.recv(y, src=0)
-    stats = pg.stats
+    stats = pg.transport.stats
     pg.close()
     return {"config": config, "x": float(x[0]), "y": y.tolist(), "stats": stats, "sent": sent}
 
@@ -737,7 +737,7 @@ def _job_auth_mode():
         custom = str(exc)
     x = np.ones(3)
     pg.all_reduce(x)
-    mode = pg.auth_mode
+    mode = pg.transport.auth_mode
     pg.close()
     return mode, plain, custom
 
@@ -886,8 +886,8 @@ def netns_worker() -> None:
     ok = (x == 10).all() and np.array_equal(big, np.arange(1_500_001, dtype=np.float32) * 10) \
         and (b == 3).all() and np.array_equal(out, np.repeat(np.arange(n, dtype=np.int32), 2)) \
         and (y == (3 if r < 2 else 7)).all()
-    print(json.dumps({"rank": r, "ok": bool(ok), "auth": pg.auth_mode,
-                      "endpoints": pg.endpoints, "connections": pg.connections}), flush=True)
+    print(json.dumps({"rank": r, "ok": bool(ok), "auth": pg.transport.auth_mode,
+                      "endpoints": pg.transport.endpoints, "connections": pg.transport.connections}), flush=True)
     pg.close()
 
 

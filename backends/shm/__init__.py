@@ -21,7 +21,7 @@ How it works, module by module:
   straight from its own array and the peers' slots (a single copy in).
 - ``channels``: point to point, one byte ring per ordered pair of ranks, MPI-style tag
   matching with an unexpected-message queue.
-- ``group``: ``ShmGroup`` itself (waits, errors, sub-groups, lifetime).
+- ``group``: ``ShmBackend`` itself (waits, errors, sub-groups, lifetime).
 - ``placement``: one core per rank when the ranks outnumber the cores (``pg.bound_core``).
 - ``_native`` (``_native.c``), ``native``, ``native_ops``: the compiled core, built by
   the package's own build where a C compiler is present. It speaks the same protocol
@@ -61,12 +61,12 @@ from __future__ import annotations
 from collectives.launch import Rendezvous
 
 from . import placement
-from .group import ShmGroup
+from .group import ShmBackend
 
-__all__ = ["ShmGroup", "create"]
+__all__ = ["ShmBackend", "create"]
 
 
-def create(rendezvous: Rendezvous, timeout: float) -> ShmGroup:
+def create(rendezvous: Rendezvous, timeout: float) -> ShmBackend:
     """Connect this rank to the world of ``rendezvous`` through /dev/shm."""
     size = rendezvous.world_size
     if size > 1 and rendezvous.local_world_size != size:
@@ -77,7 +77,7 @@ def create(rendezvous: Rendezvous, timeout: float) -> ShmGroup:
     # Placed first, so that the wait policy sees where the rank will run.
     place = placement.Placement(rendezvous.rank, size)
     try:
-        group = ShmGroup.open(rendezvous.job_id, "world", rendezvous.rank, size, timeout,
+        group = ShmBackend.open(rendezvous.job_id, "world", rendezvous.rank, size, timeout,
                               tuple(range(size)))
     except BaseException:
         place.release()

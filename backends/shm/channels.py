@@ -117,7 +117,7 @@ class Engine:
         self.lock = threading.Lock()
         self._u64 = seg.u64
         self._ring_doorbells = ring
-        self._where = where
+        self.where = where
         self._dtype_name = dtype_name
         self._R = lay.ring
         self._out_rings = [None if d == rank or size == 1 else
@@ -283,7 +283,7 @@ class Engine:
 
     def _check_open(self, what: str) -> None:
         if self.closed:
-            raise CollectiveError(f"{self._where(what)}: the group is closed")
+            raise CollectiveError(f"{self.where(what)}: the group is closed")
 
     def _complete(self, op) -> None:
         if not op.done:
@@ -294,7 +294,7 @@ class Engine:
         if op.array.size == nbytes:
             return True
         op.error = CollectiveMismatch(
-            f"{self._where('recv')} from rank {op.src} (tag {op.tag}): rank {op.src} sent "
+            f"{self.where('recv')} from rank {op.src} (tag {op.tag}): rank {op.src} sent "
             f"{nbytes} bytes of {self._dtype_name(dtype_code)}, this rank receives into "
             f"{op.array.size} bytes of {self._dtype_name(op.dtype_code)}")
         return False
@@ -410,7 +410,7 @@ class Engine:
                 self._read(ring, tail, raw, HEADER_BYTES)
                 tag, nbytes, dtype_code, magic = HEADER.unpack(raw.tobytes())
                 if magic != _MSG_MAGIC:
-                    raise CollectiveError(f"{self._where('recv')}: corrupt message header "
+                    raise CollectiveError(f"{self.where('recv')}: corrupt message header "
                                           f"from rank {src} (shared memory overwritten?)")
                 tail += HEADER_BYTES
                 avail -= HEADER_BYTES
@@ -458,7 +458,7 @@ class Engine:
             self.closed = True
             self._core = None   # its hold on the mapping
             self._out_rings = self._in_rings = []  # drop views of the mapping
-            error = CollectiveError(f"{self._where('p2p')}: the group was closed")
+            error = CollectiveError(f"{self.where('p2p')}: the group was closed")
             for queue in self._sendq + self._posted:
                 for op in queue:
                     if not op.done:

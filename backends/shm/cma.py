@@ -59,6 +59,7 @@ import time
 
 import numpy as np
 
+from collectives import settings
 from collectives.errors import CollectiveError, PeerError
 from collectives.reduce_op import ReduceOp
 
@@ -77,7 +78,7 @@ CMA_ALL_REDUCE_BYTES = 3 << 19
 #: ``0``: this rank votes against the single-copy path (and so turns it off for its
 #: groups); ``1``: for it from ``cma_min_bytes(n)``, whatever the kernel's speed; unset:
 #: for it where the kernel copies fast enough (:func:`cma_from_bytes`).
-CMA_ENV = "COLLECTIVES_SHM_CMA"
+CMA_ENV = settings.SHM_CMA.name
 #: The kernel's copy between processes may cost at most this many times a user-space copy
 #: of the same bytes, timed at 1 MiB, for the single copy to pay from
 #: :data:`CMA_ALL_REDUCE_BYTES`. Per rank and message M (2 ranks), staging moves about 4 M
@@ -188,7 +189,7 @@ class CmaReduce:
         if not (self._native is not None and sys.platform.startswith("linux")
                 and all(self._pid_checkable[r] for r in self._peers)):
             return 0
-        setting = os.environ.get(CMA_ENV, "").strip()
+        setting = settings.SHM_CMA.get()
         if setting == "0":
             return 0
         if setting == "1":
@@ -273,10 +274,10 @@ class CmaReduce:
             gone = [r for r in self._peers
                     if self._native_module.cma_read(probe, self._pids[r], 0) == -errno.ESRCH]
             if gone:
-                raise PeerError(f"{self._where(self._op_name)} (seq {self._op_seq}): rank "
+                raise PeerError(f"{self.where(self._op_name)} (seq {self._op_seq}): rank "
                                 f"{gone[0]} (pid {self._pids[gone[0]]}) is exiting",
                                 peer=gone[0])
         raise CollectiveError(
-            f"{self._where(self._op_name)} (seq {self._op_seq}): {what} failed: "
+            f"{self.where(self._op_name)} (seq {self._op_seq}): {what} failed: "
             f"{os.strerror(-rc)} (with {CMA_ENV}=0 on any rank its groups stage through "
             f"shared memory instead)")

@@ -17,6 +17,8 @@ import threading
 import time
 from typing import Optional
 
+from collectives import settings
+
 FUTEX_WAIT = 0
 FUTEX_WAKE = 1
 _WAKE_ALL = 0x7FFFFFFF
@@ -25,7 +27,7 @@ _WAKE_ALL = 0x7FFFFFFF
 _SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}
 
 #: ``COLLECTIVES_SHM_WAIT``: ``futex`` (default where available) or ``sleep``.
-WAIT_ENV = "COLLECTIVES_SHM_WAIT"
+WAIT_ENV = settings.SHM_WAIT.name
 
 
 class _Timespec(ctypes.Structure):
@@ -84,9 +86,7 @@ def get_futex() -> Optional[Futex]:
 def wait_mode() -> str:
     """``futex`` or ``sleep``: what ``COLLECTIVES_SHM_WAIT`` asks for, falling back to
     ``sleep`` where futex is unavailable."""
-    mode = os.environ.get(WAIT_ENV, "").strip().lower() or "futex"
-    if mode not in ("futex", "sleep"):
-        raise ValueError(f"{WAIT_ENV}={mode!r}: expected 'futex' or 'sleep'")
+    mode = settings.SHM_WAIT.get()
     if mode == "futex" and get_futex() is None:
         return "sleep"
     return mode

@@ -1,4 +1,4 @@
-"""``ShmGroup``: a ProcessGroup whose ranks are processes of one host sharing a segment.
+"""``ShmBackend``: the Backend whose ranks are processes of one host sharing a segment.
 
 Waiting never burns a core for long: up to 50 microseconds of spinning (none when the
 ranks outnumber the cores), ``sched_yield`` for up to a millisecond
@@ -27,10 +27,11 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from collectives.environment import env_number
+from collectives import settings
 from collectives.lifetime import process_alive
 from collectives.errors import CollectiveError, CollectiveTimeout, PeerError
-from collectives.group import ProcessGroup
+from collectives.backend import Backend, Capabilities
+from collectives.paths import PathTable
 from collectives.shm_names import segment_name
 from collectives.thresholds import SizeThreshold
 from collectives.work import Work
@@ -46,22 +47,22 @@ from .reduce import ReduceOps
 from .symmetric import SymmetricHeap
 
 #: Bytes per data slot (the staging chunk); a message larger than this is chunked.
-CHUNK_ENV = "COLLECTIVES_SHM_CHUNK_BYTES"
+CHUNK_ENV = settings.SHM_CHUNK_BYTES.name
 DEFAULT_CHUNK = 1 << 20
 #: Bytes per point-to-point ring (default scales down with the group size).
-RING_ENV = "COLLECTIVES_SHM_RING_BYTES"
+RING_ENV = settings.SHM_RING_BYTES.name
 #: ``0`` turns off the pid liveness checks (peers in another PID namespace).
 PID_CHECK_ENV = sg.PID_CHECK_ENV
 #: Microseconds of pure spinning, then of sched_yield, before sleeping in the kernel.
-SPIN_ENV = "COLLECTIVES_SHM_SPIN_US"
-YIELD_ENV = "COLLECTIVES_SHM_YIELD_US"
+SPIN_ENV = settings.SHM_SPIN_US.name
+YIELD_ENV = settings.SHM_YIELD_US.name
 
 _SLICE = 0.2            # longest single sleep: the deadline and liveness are checked after
 _LIVENESS_EVERY = 0.1   # seconds between pid checks of the ranks being waited for
 
 
 def _layout_from_env(size: int) -> sg.Layout:
-    chunk = env_number(CHUNK_ENV, DEFAULT_CHUNK)
+    chunk = settings.SHM_CHUNK_BYTES.get()
     chunk = max(chunk, 1024, 64 * size)
     chunk = (chunk + 4095) // 4096 * 4096 if chunk >= 4096 else (chunk + 63) // 64 * 64
     # Each of the n x (n-1) rings is R bytes of sparse memory: shrink R with the size.
@@ -69,7 +70,7 @@ def _layout_from_env(size: int) -> sg.Layout:
     if size > 1:
         budget = (16 << 20) // (size * (size - 1))
         default_ring = max(64 << 10, min(1 << 20, 1 << (budget.bit_length() - 1)))
-    ring = env_number(RING_ENV, default_ring)
+    ring = settings.SHM_RING_BYTES.get() or default_ring
     ring = max(4096, (ring + 4095) // 4096 * 4096)
     return sg.Layout(size, chunk, ring)
 
@@ -97,18 +98,19 @@ class _P2PWork(Work):
         return op.done
 
 
-class ShmGroup(NativePaths, SymmetricHeap, CmaReduce, PushGuard, ReduceOps,
-               CollectiveOps, ProcessGroup):
+class ShmBackend(NativePaths, SymmetricHeap, CmaReduce, PushGuard, ReduceOps,
+                 CollectiveOps, Backend):
     """Ranks of one host communicating through one POSIX shared-memory segment."""
 
-    backend = "shm"
+    name = "shm"
+    capabilities = Capabilities(persistent=True, symmetric_memory=True)
     #: The world group's ``placement.Placement`` (None in a sub-group).
     _placement = None
 
     # ----------------------------------------------------------------- set-up
     @classmethod
     def open(cls, job_id: Optional[str], key: str, rank: int, size: int, timeout: float,
-             world_ranks: tuple[int, ...]) -> "ShmGroup":
+             world_ranks: tuple[int, ...]) -> "ShmBackend":
         where = f"[rank {rank}/{size}] shm init ({key})"
         layout = _layout_from_env(size)
         if size == 1:
@@ -119,7 +121,7 @@ class ShmGroup(NativePaths, SymmetricHeap, CmaReduce, PushGuard, ReduceOps,
             if job_id is None:
                 raise ValueError(
                     "the shm backend needs a job id shared by the ranks of one job to name "
-                    "its shared memory: set COLLECTIVES_JOB_ID (any string unique on this "
+                    f"its shared memory: set {settings.JOB_ID.name} (any string unique on this "
                     "host), or start the ranks with collectives.spawn, torchrun or mpirun")
             name = segment_name(job_id, key)
             seg = sg.open_group_segment(name, rank, size, layout, timeout, where)
@@ -127,7 +129,7 @@ class ShmGroup(NativePaths, SymmetricHeap, CmaReduce, PushGuard, ReduceOps,
 
     def __init__(self, seg: sg.Segment, rank: int, size: int, timeout: float,
                  job_id: Optional[str], key: str, world_ranks: tuple[int, ...]) -> None:
-        super().__init__(rank, size, timeout=timeout)
+        super().__init__(rank, size, timeout)
         self._seg = seg
         self._job_id = job_id
         self._key = key
@@ -153,19 +155,19 @@ class ShmGroup(NativePaths, SymmetricHeap, CmaReduce, PushGuard, ReduceOps,
         self._S = lay.chunk
         self._cma_bytes = cma_min_bytes(size)
         self._use_native()  # the compiled core, its doorbells and the wait policy
-        self._engine = Engine(seg, rank, size, self._bells.ring, self._where, dtype_name,
+        self._engine = Engine(seg, rank, size, self._bells.ring, self.where, dtype_name,
                               core=self._native)
-        if self._native is not None and type(self)._send_now is ProcessGroup._send_now \
-                and type(self)._recv_now is ProcessGroup._recv_now:
+        if self._native is not None and type(self).send_now is Backend.send_now \
+                and type(self).recv_now is Backend.recv_now:
             # Blocking send and recv in one C call where they can (unless a subclass
             # has hooks of its own); the C wait is bounded like every C wait here.
-            self._send_now, self._recv_now = self._engine.blocking_calls(
-                self._isend, self._irecv, min(self._spin_s + self._yield_s,
+            self.send_now, self.recv_now = self._engine.blocking_calls(
+                self.isend, self.irecv, min(self._spin_s + self._yield_s,
                                               self._wait_budget), _DTYPE_CODE)
-        if self._native is not None and type(self)._all_reduce is ReduceOps._all_reduce:
-            self._all_reduce = self._all_reduce_hook()   # (not over a subclass's hook)
-        if self._native is not None and type(self)._barrier is CollectiveOps._barrier:
-            self._barrier = self._barrier_hook()
+        if self._native is not None and type(self).all_reduce is ReduceOps.all_reduce:
+            self.all_reduce = self._all_reduce_hook()   # (not over a subclass's hook)
+        if self._native is not None and type(self).barrier is CollectiveOps.barrier:
+            self.barrier = self._barrier_hook()
         self._phase = int(seg.u64[self._me_arrived])
         self._slots = [[seg.bytes[lay.slot_off(b, r):lay.slot_off(b, r) + lay.chunk]
                         for r in range(size)] for b in (0, 1)]
@@ -211,16 +213,20 @@ class ShmGroup(NativePaths, SymmetricHeap, CmaReduce, PushGuard, ReduceOps,
                           ("all_reduce", "reduce")),
             SizeThreshold("shm.cma.CMA_ALL_REDUCE_BYTES", self._cma_bytes,
                           ("all_reduce",)),
-            SizeThreshold("shm.slot (COLLECTIVES_SHM_CHUNK_BYTES)", S,
+            SizeThreshold(f"shm.slot ({settings.SHM_CHUNK_BYTES.name})", S,
                           ("broadcast", "all_reduce", "reduce", "all_gather", "gather")),
             SizeThreshold("shm.reduce.PIECE_MAX_BYTES x size (a pipelined chunk)",
                           self._piece_layout(1)[1],
                           ("all_reduce", "reduce")),
             SizeThreshold("shm.slot / size", S // n, ("scatter", "reduce_scatter",
                                                       "all_to_all")),
-            SizeThreshold("shm.ring (COLLECTIVES_SHM_RING_BYTES)",
+            SizeThreshold(f"shm.ring ({settings.SHM_RING_BYTES.name})",
                           self._layout.ring - HEADER_BYTES, ("send",)),
         )
+
+    def paths(self) -> PathTable:
+        """The lines above as the path table (a table of paths replaces them below)."""
+        return PathTable({}, self.size_thresholds())
 
     # ------------------------------------------------------------------ waits
     def _check_peer(self, r: int, what: str, seq: int, *, fatal_states=(sg.STATE_FAILED,
@@ -272,7 +278,7 @@ class ShmGroup(NativePaths, SymmetricHeap, CmaReduce, PushGuard, ReduceOps,
 
     def _where_seq(self, what: str, seq: int) -> str:
         # Built only when raising: _check_peer runs on every slow wait.
-        return self._where(what) + (f" (seq {seq})" if seq >= 0 else "")
+        return self.where(what) + (f" (seq {seq})" if seq >= 0 else "")
 
     def _backoff(self, stage: list, deadline: float, expected_bell: int) -> None:
         """One step of waiting: spin, then yield, then sleep in the kernel.
@@ -337,7 +343,7 @@ class ShmGroup(NativePaths, SymmetricHeap, CmaReduce, PushGuard, ReduceOps,
                     missing = [r for r in self._all if u64[idx[r]] < q]
                     if missing:
                         raise CollectiveTimeout(
-                            f"{self._where(self._op_name)} (seq {self._op_seq}): timed out "
+                            f"{self.where(self._op_name)} (seq {self._op_seq}): timed out "
                             f"after {self.timeout:g} s waiting for ranks {missing} "
                             f"(phase {q}); they did not arrive",
                             op=self._op_name, seq=self._op_seq, missing=missing)
@@ -362,7 +368,7 @@ class ShmGroup(NativePaths, SymmetricHeap, CmaReduce, PushGuard, ReduceOps,
             if op.done:
                 break
             if engine.closed:
-                raise CollectiveError(f"{self._where(what)}: the group was closed")
+                raise CollectiveError(f"{self.where(what)}: the group was closed")
             if moved:
                 stage[0] = time.perf_counter()
                 continue
@@ -376,7 +382,7 @@ class ShmGroup(NativePaths, SymmetricHeap, CmaReduce, PushGuard, ReduceOps,
                                  done=lambda: self._progress_once(op))
                 if time.monotonic() >= deadline:
                     raise CollectiveTimeout(
-                        f"{self._where(what)}: timed out after {limit:g} s; rank {peer} "
+                        f"{self.where(what)}: timed out after {limit:g} s; rank {peer} "
                         f"did not {'receive' if isinstance(op, SendOp) else 'send'} it",
                         op=what, missing=[peer])
             self._backoff(stage, deadline, bell)
@@ -393,28 +399,28 @@ class ShmGroup(NativePaths, SymmetricHeap, CmaReduce, PushGuard, ReduceOps,
         return op.done
 
     # --------------------------------------------------------- point to point
-    def _isend(self, array: np.ndarray, dst: int, tag: int) -> Work:
+    def isend(self, array: np.ndarray, dst: int, tag: int) -> Work:
         op = self._engine.post_send(array, dst, tag, dtype_code(array.dtype))
         return _P2PWork(self, op, f"send to rank {dst} (tag {tag})", dst)
 
-    def _irecv(self, array: np.ndarray, src: int, tag: int) -> Work:
+    def irecv(self, array: np.ndarray, src: int, tag: int) -> Work:
         op = self._engine.post_recv(array, src, tag, dtype_code(array.dtype))
         return _P2PWork(self, op, f"recv from rank {src} (tag {tag})", src)
 
     # ------------------------------------------------------------ persistent
-    def _persistent_call(self, op, arrays, reduce_op):
+    def persistent(self, op, arrays, reduce_op):
         """Each round straight to the phase functions (see backends.shm.persistent)."""
         from .persistent import persistent_call
         return persistent_call(self, op, arrays, reduce_op)
 
     # -------------------------------------------------------------- sub-groups
-    def _new_group(self, ranks: tuple[int, ...], instance: int) -> ProcessGroup:
+    def new_group(self, ranks: tuple[int, ...], instance: int) -> "ShmBackend":
         world = tuple(self._world_ranks[r] for r in ranks)
         key = f"{self._key}.g{'-'.join(map(str, world))}i{instance}"
         if len(key) > 120:
             key = "h" + hashlib.sha256(key.encode()).hexdigest()[:32]
-        return ShmGroup.open(self._job_id, key, ranks.index(self.rank), len(ranks),
-                             self.timeout, world)
+        return ShmBackend.open(self._job_id, key, ranks.index(self.rank), len(ranks),
+                               self.timeout, world)
 
     # ---------------------------------------------------------------- lifetime
     def _mark(self, state: int) -> None:
@@ -426,7 +432,19 @@ class ShmGroup(NativePaths, SymmetricHeap, CmaReduce, PushGuard, ReduceOps,
             u64[idx] = state
         self._bells.ring(self._peers)
 
-    def _close(self) -> None:
+    def abort(self) -> None:
+        """Mark this rank failed in the segment (its peers' waits for it raise PeerError
+        at once), end this rank's own waits (every wait looks at the group's state at
+        least every ``_LIVENESS_EVERY``) and release the segment once no thread is in a
+        call (at most a second); nothing waits for a peer."""
+        self._aborted = True
+        try:
+            self._mark(sg.STATE_FAILED)
+        except Exception:  # noqa: BLE001 - the segment may be gone already
+            pass
+        self.close()
+
+    def close(self) -> None:
         with self._close_lock:
             seg = self._seg
             if seg is None:
@@ -440,7 +458,7 @@ class ShmGroup(NativePaths, SymmetricHeap, CmaReduce, PushGuard, ReduceOps,
                 self._py_phase = self._native.phase   # (the counter moves back here)
             self._native = None  # releases its hold on the mapping
             self._engine.close()
-            for name in ("_send_now", "_recv_now", "_all_reduce", "_barrier"):
+            for name in ("send_now", "recv_now", "all_reduce", "barrier"):
                 self.__dict__.pop(name, None)   # the bound fast paths (and their cycles)
             self._typed.clear()
             self._small_cache.clear()

@@ -32,14 +32,12 @@ import warnings
 from types import ModuleType
 from typing import Optional
 
-from collectives.environment import env_number
 
+from collectives import settings
 from . import placement
 
 #: ``0`` forces the Python path; anything else uses the compiled core where it exists.
-NATIVE_ENV = "COLLECTIVES_SHM_NATIVE"
-SPIN_ENV = "COLLECTIVES_SHM_SPIN_US"
-YIELD_ENV = "COLLECTIVES_SHM_YIELD_US"
+NATIVE_ENV = settings.SHM_NATIVE.name
 
 #: (spin, yield) microseconds: with a core per rank, and oversubscribed.
 DEDICATED_WAIT_US = (50, 1000)
@@ -92,7 +90,7 @@ def native_module() -> Optional[ModuleType]:
     """The compiled core, or None: forced off by ``COLLECTIVES_SHM_NATIVE=0``, or missing
     (then a warning, once per process, says why)."""
     global _warned
-    if os.environ.get(NATIVE_ENV, "1").strip() == "0":
+    if not settings.SHM_NATIVE.get():
         return None
     mod = _load()
     if mod is None and not _warned:
@@ -120,7 +118,8 @@ def wait_policy(size: int) -> tuple[float, float]:
     """
     dedicated = placement.host_cores() >= placement.host_ranks(size)
     spin_us, yield_us = DEDICATED_WAIT_US if dedicated else OVERSUBSCRIBED_WAIT_US
-    return env_number(SPIN_ENV, spin_us) * 1e-6, env_number(YIELD_ENV, yield_us) * 1e-6
+    spin, yld = settings.SHM_SPIN_US.get(), settings.SHM_YIELD_US.get()
+    return (spin_us if spin is None else spin) * 1e-6, (yield_us if yld is None else yld) * 1e-6
 
 
 class NativeDoorbells:

@@ -24,6 +24,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from collectives import settings
 from collectives.errors import CollectiveError, CollectiveTimeout
 from collectives.reduce_op import ReduceOp
 
@@ -84,7 +85,7 @@ class NativePaths:
         mod = native_module() if self.size > 1 else None
         if mod is None:
             return
-        if os.environ.get(CMA_ENV, "").strip() not in ("0", "1"):
+        if settings.SHM_CMA.get() == "auto":
             cma_from_bytes(mod)   # measured now, outside any collective (once per process)
         lay, seg = self._layout, self._seg
         mode = self._bells.mode
@@ -104,10 +105,10 @@ class NativePaths:
         self._p2p_wait = self._p2p_wait_native
         self._native_combine = mod.combine
         self._native_module = mod
-        for name in ("_broadcast", "_all_gather", "_gather", "_scatter", "_reduce_scatter",
-                     "_all_to_all"):
+        for name in ("broadcast", "all_gather", "gather", "scatter", "reduce_scatter",
+                     "all_to_all"):
             if getattr(type(self), name) is getattr(CollectiveOps, name):
-                setattr(self, name, getattr(self, name + "_native"))   # (a subclass's stays)
+                setattr(self, name, getattr(self, "_" + name + "_native"))   # (a subclass's stays)
 
     # ---------------------------------------------------------------- waiting
     def _exchange_native(self, q: int) -> None:
@@ -156,7 +157,7 @@ class NativePaths:
                 missing = [r for r in range(self.size) if core.arrived(r) < q]
                 if missing:
                     raise CollectiveTimeout(
-                        f"{self._where(self._op_name)} (seq {self._op_seq}): timed out "
+                        f"{self.where(self._op_name)} (seq {self._op_seq}): timed out "
                         f"after {timeout:g} s waiting for ranks {missing} (phase {q}); "
                         f"they did not arrive", op=self._op_name, seq=self._op_seq,
                         missing=missing)
@@ -185,7 +186,7 @@ class NativePaths:
             if op.done:
                 break
             if engine.closed:
-                raise CollectiveError(f"{self._where(what)}: the group was closed")
+                raise CollectiveError(f"{self.where(what)}: the group was closed")
             if engine.pending != 1:      # another thread posted meanwhile
                 return type(self)._p2p_wait(self, op, timeout, what, peer)
             now = time.monotonic()
@@ -202,7 +203,7 @@ class NativePaths:
                 break
             if now >= deadline:
                 raise CollectiveTimeout(
-                    f"{self._where(what)}: timed out after {limit:g} s; rank {peer} did "
+                    f"{self.where(what)}: timed out after {limit:g} s; rank {peer} did "
                     f"not send it", op=what, missing=[peer])
         if op.error is not None:
             raise op.error
@@ -213,35 +214,35 @@ class NativePaths:
     # Python. Anything larger goes the Python way.
     def _broadcast_native(self, a: np.ndarray, src: int, seq: int) -> None:
         if a.nbytes > self._S:
-            return CollectiveOps._broadcast(self, a, src, seq)
+            return CollectiveOps.broadcast(self, a, src, seq)
         mine = self.rank == src
         self._small_move(self._native_module.MOVE_BROADCAST, OP_BROADCAST,
                          a if mine else None, None if mine else a, src, None, a.nbytes, seq)
 
     def _all_gather_native(self, out: np.ndarray, inp: np.ndarray, seq: int) -> None:
         if inp.nbytes > self._S:
-            return CollectiveOps._all_gather(self, out, inp, seq)
+            return CollectiveOps.all_gather(self, out, inp, seq)
         self._small_move(self._native_module.MOVE_GATHER, OP_ALL_GATHER, inp, out, -1, None,
                          inp.nbytes, seq)
 
     def _gather_native(self, inp: np.ndarray, out: Optional[np.ndarray], dst: int,
                        seq: int) -> None:
         if inp.nbytes > self._S:
-            return CollectiveOps._gather(self, inp, out, dst, seq)
+            return CollectiveOps.gather(self, inp, out, dst, seq)
         self._small_move(self._native_module.MOVE_GATHER, OP_GATHER, inp,
                          out if self.rank == dst else None, dst, None, inp.nbytes, seq)
 
     def _scatter_native(self, out: np.ndarray, inp: Optional[np.ndarray], src: int,
                         seq: int) -> None:
         if self.size * out.nbytes > self._S:
-            return CollectiveOps._scatter(self, out, inp, src, seq)
+            return CollectiveOps.scatter(self, out, inp, src, seq)
         self._small_move(self._native_module.MOVE_SCATTER, OP_SCATTER,
                          inp if self.rank == src else None, out, src, None, out.nbytes, seq)
 
     def _reduce_scatter_native(self, out: np.ndarray, inp: np.ndarray, op: ReduceOp,
                                seq: int) -> None:
         if inp.nbytes > self._S:   # (no reduction takes bool: the base class refuses it)
-            return CollectiveOps._reduce_scatter(self, out, inp, op, seq)
+            return CollectiveOps.reduce_scatter(self, out, inp, op, seq)
         self._small_move(self._native_module.MOVE_REDUCE_SCATTER, OP_REDUCE_SCATTER, inp, out,
                          -1, op, out.nbytes, seq)
 
@@ -363,7 +364,7 @@ class NativePaths:
         only where point to point is in flight or the group failed (``ops._barrier``),
         or for a wait that outlasts the core's budget (``_barrier_waits``)."""
         barrier = self._native.barrier
-        DONE, engine, slow = self._DONE, self._engine, self._barrier
+        DONE, engine, slow = self._DONE, self._engine, self.barrier
 
         def hook(seq: int) -> None:
             if engine.pending or self._broken is not None:

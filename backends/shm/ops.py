@@ -115,10 +115,10 @@ class CollectiveOps:
         name = _OP_NAMES[opcode]
         if self._broken is not None:
             raise CollectiveError(
-                f"{self._where(name)} (seq {seq}): this group failed in an earlier "
+                f"{self.where(name)} (seq {seq}): this group failed in an earlier "
                 f"collective ({type(self._broken).__name__}: {self._broken}); close it")
         if self._seg is None:
-            raise CollectiveError(f"{self._where(name)}: the group is closed")
+            raise CollectiveError(f"{self.where(name)}: the group is closed")
         self._op_name, self._op_seq = name, seq
         self._fp0 = fingerprint(opcode, _REDOP_BY_ID.get(id(redop), 0),
                                 _DTYPE_CODE.get(dtype, 0), root, seq)
@@ -161,13 +161,13 @@ class CollectiveOps:
         for r, fp0, fp1 in fps:
             if fp0 & 0xF == OP_FAILED:
                 raise PeerError(
-                    f"{self._where(self._op_name)} (seq {self._op_seq}): rank {r} failed "
+                    f"{self.where(self._op_name)} (seq {self._op_seq}): rank {r} failed "
                     f"in this collective (see its error)", peer=r)
         for r, fp0, fp1 in fps:
             if fp0 != self._fp0 or fp1 != self._fp1:
                 other = _describe(fp0, fp1, dtype_name)
                 raise CollectiveMismatch(
-                    f"{self._where(self._op_name)} (seq {self._op_seq}): rank {r} called "
+                    f"{self.where(self._op_name)} (seq {self._op_seq}): rank {r} called "
                     f"{other}; this rank {mine}")
 
     def _sv(self, bank: int, r: int, dt: np.dtype) -> np.ndarray:
@@ -218,7 +218,7 @@ class CollectiveOps:
         return (self._S // self.size) // _ALIGN * _ALIGN // itemsize
 
     # ----------------------------------------------------------------- barrier
-    def _barrier(self, seq: int) -> None:
+    def barrier(self, seq: int) -> None:
         """One empty phase (what ``_guard`` does, inline: a barrier is all overhead)."""
         if self.size == 1:
             return
@@ -230,7 +230,7 @@ class CollectiveOps:
             raise
 
     # --------------------------------------------------------------- broadcast
-    def _broadcast(self, a: np.ndarray, src: int, seq: int) -> None:
+    def broadcast(self, a: np.ndarray, src: int, seq: int) -> None:
         if self.size == 1:
             return
         self._guard(self._broadcast_impl, a.reshape(-1), src, seq)
@@ -254,13 +254,13 @@ class CollectiveOps:
                 break
 
     # ----------------------------------------------------------- gather family
-    def _all_gather(self, out: np.ndarray, inp: np.ndarray, seq: int) -> None:
+    def all_gather(self, out: np.ndarray, inp: np.ndarray, seq: int) -> None:
         if self.size == 1:
             out[...] = inp
             return
         self._guard(self._gather_impl, inp, out, None, seq)
 
-    def _gather(self, inp: np.ndarray, out: Optional[np.ndarray], dst: int, seq: int) -> None:
+    def gather(self, inp: np.ndarray, out: Optional[np.ndarray], dst: int, seq: int) -> None:
         if self.size == 1:
             out[...] = inp
             return
@@ -289,13 +289,13 @@ class CollectiveOps:
                 break
 
     # ---------------------------------------------------------- scatter family
-    def _scatter(self, out: np.ndarray, inp: Optional[np.ndarray], src: int, seq: int) -> None:
+    def scatter(self, out: np.ndarray, inp: Optional[np.ndarray], src: int, seq: int) -> None:
         if self.size == 1:
             out[...] = inp
             return
         self._guard(self._scatter_impl, out, inp, src, None, seq)
 
-    def _reduce_scatter(self, out: np.ndarray, inp: np.ndarray, op: ReduceOp, seq: int) -> None:
+    def reduce_scatter(self, out: np.ndarray, inp: np.ndarray, op: ReduceOp, seq: int) -> None:
         if self.size == 1:
             out[...] = inp
             finish(op, out, 1)
@@ -348,12 +348,12 @@ class CollectiveOps:
                 break
 
     # -------------------------------------------------------------- all_to_all
-    def _all_to_all(self, out: np.ndarray, inp: np.ndarray, out_counts: Sequence[int],
+    def all_to_all(self, out: np.ndarray, inp: np.ndarray, out_counts: Sequence[int],
                     in_counts: Sequence[int], seq: int) -> None:
         if self.size == 1:
             if out_counts[0] != in_counts[0]:
                 raise CollectiveMismatch(
-                    f"{self._where('all_to_all')} (seq {seq}): this rank sends "
+                    f"{self.where('all_to_all')} (seq {seq}): this rank sends "
                     f"{in_counts[0]} elements to itself but expects {out_counts[0]}")
             out[...] = inp
             return
@@ -396,7 +396,7 @@ class CollectiveOps:
             for k in range(n):
                 if rows[j][k] != rows[k][n + j]:
                     raise CollectiveMismatch(
-                        f"{self._where('all_to_all')} (seq {seq}): rank {j} sends "
+                        f"{self.where('all_to_all')} (seq {seq}): rank {j} sends "
                         f"{rows[j][k]} elements to rank {k}, but rank {k} expects "
                         f"{rows[k][n + j]} from rank {j} (input/output split sizes "
                         f"disagree)")

@@ -65,9 +65,9 @@ def persistent_call(group: Any, op: str, arrays: Sequence[np.ndarray],
     # The group's hooks, bound now: on the core a message that fits one slot is one
     # call of it (``small_move``), a larger one the phase loops of ``ops``.
     if op == "all_gather":
-        gather = group._all_gather
+        gather = group.all_gather
         return lambda seq: gather(out, inp, seq)
     if op == "reduce_scatter":
-        scatter = group._reduce_scatter
+        scatter = group.reduce_scatter
         return lambda seq: scatter(out, inp, reduce_op, seq)
     return None

@@ -38,8 +38,10 @@ import os
 import threading
 from typing import Optional
 
+from collectives import settings
+
 #: ``auto`` (default), ``core`` or ``none``: see the module docstring.
-BIND_ENV = "COLLECTIVES_SHM_BIND"
+BIND_ENV = settings.SHM_BIND.name
 _MODES = ("auto", "core", "none")
 
 
@@ -50,10 +52,7 @@ def bind_mode() -> str:
     >>> bind_mode() in ("auto", "core", "none")
     True
     """
-    mode = os.environ.get(BIND_ENV, "auto").strip().lower() or "auto"
-    if mode not in _MODES:
-        raise ValueError(f"shm init: {BIND_ENV}={mode!r} is not one of {', '.join(_MODES)}")
-    return mode
+    return settings.SHM_BIND.get()
 
 
 def allowed_cores() -> list[int]:

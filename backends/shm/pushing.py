@@ -62,7 +62,7 @@ class PushGuard:
         PeerError naming the peer that failed or closed (or died, its cause)."""
         for r in self._peers:
             self._check_peer(r, self._op_name, self._op_seq, check_pid=True)
-        raise CollectiveError(f"{self._where(self._op_name)} (seq {self._op_seq}): a write "
+        raise CollectiveError(f"{self.where(self._op_name)} (seq {self._op_seq}): a write "
                               f"into a peer was refused, but no peer failed")
 
     def _push_into(self, r: int, view: np.ndarray, values: np.ndarray) -> None:

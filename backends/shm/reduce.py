@@ -66,10 +66,10 @@ _SMALL_CACHE_MAX = 32   # (dtype, length) entries of cached small-message views
 class ReduceOps:
     """Mixed into ShmGroup (before ``CollectiveOps``): the all_reduce/reduce hooks."""
 
-    def _all_reduce(self, a: np.ndarray, op: ReduceOp, seq: int) -> None:
+    def all_reduce(self, a: np.ndarray, op: ReduceOp, seq: int) -> None:
         self._reduce_into(a, op, seq, -1, OP_ALL_REDUCE)
 
-    def _reduce(self, a: np.ndarray, dst: int, op: ReduceOp, seq: int) -> None:
+    def reduce(self, a: np.ndarray, dst: int, op: ReduceOp, seq: int) -> None:
         self._reduce_into(a, op, seq, dst, OP_REDUCE)
 
     def _reduce_into(self, a: np.ndarray, op: ReduceOp, seq: int, dst: int,

@@ -33,6 +33,7 @@ from typing import Optional
 
 import numpy as np
 
+from collectives import settings
 from collectives.errors import CollectiveError, CollectiveTimeout, PeerError
 from collectives.lifetime import process_alive
 from collectives.shm_names import SHM_DIR
@@ -55,7 +56,7 @@ W_SLEEPERS = 9     # threads of this rank asleep on its doorbell
 W_PUSHING = 10     # 1 + the rank this rank is writing into (pushing.py), else 0
 
 #: ``0`` turns off the pid liveness checks (e.g. peers in another PID namespace).
-PID_CHECK_ENV = "COLLECTIVES_SHM_PID_CHECK"
+PID_CHECK_ENV = settings.SHM_PID_CHECK.name
 
 STATE_DETACHED = 0
 STATE_ATTACHED = 1
@@ -127,7 +128,7 @@ def pid_namespace() -> int:
 def same_pid_namespace(peer_ns: int) -> bool:
     """Whether a peer's pid means something here (liveness checks are possible);
     ``COLLECTIVES_SHM_PID_CHECK=0`` turns them off altogether."""
-    if os.environ.get(PID_CHECK_ENV, "1").strip() == "0":
+    if not settings.SHM_PID_CHECK.get():
         return False
     mine = pid_namespace()
     return mine == 0 or peer_ns in (0, mine)
@@ -244,7 +245,7 @@ def _create_and_publish(name: str, layout: Layout, deadline: float, where: str) 
                 raise CollectiveError(
                     f"{where}: shared-memory segment {path} already exists and belongs "
                     f"to the live process {owner}: is another job running with the same "
-                    f"job id (COLLECTIVES_JOB_ID)?")
+                    f"job id ({settings.JOB_ID.name})?")
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
     except BaseException:

@@ -59,10 +59,12 @@ import os
 import threading
 import warnings
 import weakref
+from typing import Callable
 
 import numpy as np
 
 from collectives.reduce_op import ReduceOp
+from collectives.symmetric import plain_buffer
 from collectives.shm_names import SHM_DIR, segment_name
 
 from .ops import _DTYPE_CODE, _REDOP_BY_ID, OP_ALL_REDUCE, fingerprint, piece_bounds
@@ -82,7 +84,7 @@ _TABLE_LOCK = threading.Lock()
 
 
 class SymmetricHeap:
-    """Mixed into ShmGroup: ``_alloc_symmetric`` and ``_symmetric_all_reduce``."""
+    """Mixed into ShmBackend: ``alloc_symmetric`` and ``_symmetric_all_reduce``."""
 
     #: One entry per non-empty buffer: (its first address here, nbytes, every peer's
     #: mapping of it as uint8 arrays, None at this rank's index); (0, 0, None) once this
@@ -100,7 +102,8 @@ class SymmetricHeap:
     _symmetric_plans: dict = {}
     _symmetric_places: dict = {}
 
-    def _alloc_symmetric(self, nbytes: int, where: str) -> np.ndarray:
+    def alloc_symmetric(self, nbytes: int, where: str,
+                        all_ranks: Callable[[list], np.ndarray]) -> np.ndarray:
         # Drop what holds arrays (so a buffer referred to by nothing else goes now),
         # then the entries of the buffers gone.
         self._symmetric_plans, self._symmetric_places = {}, {}
@@ -108,19 +111,19 @@ class SymmetricHeap:
         index = self._symmetric_count
         self._symmetric_count += 1
         if self.size == 1:
-            return super()._alloc_symmetric(nbytes, where)  # nothing to share
+            return plain_buffer(nbytes)  # nothing to share
         own = self._symmetric_path(index, self.rank)
         mine, why = self._create_own(own, nbytes) if nbytes else (None, "")
         views = None
         try:
             # Vote 1: every rank's size, and whether its file exists with its pages
             # reserved (sizes first: a rank asking for 0 bytes still takes part).
-            sizes = self._all_ranks([nbytes, int(mine is not None or not nbytes)])
+            sizes = all_ranks([nbytes, int(mine is not None or not nbytes)])
             if len({int(v) for v in sizes[:, 0]}) != 1:
                 raise ValueError(f"{where}: every rank must ask for the same `nbytes`; "
                                  f"the ranks asked for {sizes[:, 0].tolist()}")
             if nbytes == 0:
-                return super()._alloc_symmetric(0, where)
+                return plain_buffer(0)
             if sizes[:, 1].all():
                 try:
                     views = [np.frombuffer(mine, np.uint8) if r == self.rank
@@ -129,7 +132,7 @@ class SymmetricHeap:
                     views, why = None, f"mapping a peer's buffer failed: {exc}"
             # Vote 2 (also the barrier after which the names may go): did everyone map
             # everyone? Otherwise every rank falls back alike.
-            mapped = self._all_ranks([int(views is not None)])
+            mapped = all_ranks([int(views is not None)])
         finally:
             try:
                 os.unlink(own)
@@ -147,7 +150,7 @@ class SymmetricHeap:
                 warnings.warn(f"{where}: rank(s) {bad} could not share {nbytes} bytes "
                               f"(see their warnings); every rank uses plain memory for "
                               f"this buffer", RuntimeWarning, stacklevel=3)
-            return super()._alloc_symmetric(nbytes, where)
+            return plain_buffer(nbytes)
         buf = views[self.rank]
         views[self.rank] = None   # this rank's own buffer is the caller's (see above)
         if "_symmetric_freed" not in self.__dict__:
@@ -176,13 +179,6 @@ class SymmetricHeap:
                     if index < len(table):   # (a table emptied by close: none to forget)
                         table[index] = (0, 0, None)
                 self._symmetric = tuple(table)
-
-    def _all_ranks(self, values: list) -> np.ndarray:
-        """``values`` (ints) of every rank, one row per rank (an all_gather)."""
-        mine = np.array(values, np.int64)
-        every = np.zeros(self.size * mine.size, np.int64)
-        self.all_gather(every, mine)
-        return every.reshape(self.size, mine.size)
 
     def _create_own(self, path: str, nbytes: int) -> tuple:
         """(this rank's mapping of a new file of ``nbytes`` at ``path``, "") or (None, why).

@@ -118,17 +118,17 @@ import os
 from typing import Any
 
 from .engine import Engine
-from .group import ZmqGroup
+from .group import ZmqBackend
 
-__all__ = ["create", "ZmqGroup"]
+__all__ = ["create", "ZmqBackend"]
 
 
-def create(rendezvous: Any, timeout: float) -> ZmqGroup:
+def create(rendezvous: Any, timeout: float) -> ZmqBackend:
     """Connect this rank (``rendezvous``: rank, world size, MASTER_ADDR/PORT, job id) to
     its world and return the world group; ``timeout`` (seconds) bounds every wait."""
     engine = Engine(rendezvous, timeout, os.environ)
     try:
-        return ZmqGroup(engine, tuple(range(rendezvous.world_size)), 0, timeout)
+        return ZmqBackend(engine, tuple(range(rendezvous.world_size)), 0, timeout)
     except BaseException:
         engine.close()
         raise

@@ -22,8 +22,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-BIND_ENV = "COLLECTIVES_ZMQ_BIND_ADDR"
-TRANSPORT_ENV = "COLLECTIVES_ZMQ_TRANSPORT"
+from collectives import settings
+
 _UNIX_PATH_MAX = 100
 
 
@@ -75,7 +75,7 @@ def routed_local_ip(master: Master) -> str:
 def bind_ip(master: Master, env: Mapping[str, str]) -> tuple[str, str]:
     """``(address to bind, address to advertise)`` for this rank's data socket."""
     advertised = routed_local_ip(master)
-    forced = env.get(BIND_ENV, "").strip()
+    forced = settings.ZMQ_BIND_ADDR.get(env) or ""
     if not forced:
         return advertised, advertised
     if forced in ("*", "0.0.0.0", "::"):
@@ -118,7 +118,7 @@ def ipc_identity(endpoint: str) -> str:
 
 
 def use_ipc(env: Mapping[str, str]) -> bool:
-    return env.get(TRANSPORT_ENV, "").strip().lower() != "tcp" and hasattr(socket, "AF_UNIX")
+    return settings.ZMQ_TRANSPORT.get(env) != "tcp" and hasattr(socket, "AF_UNIX")
 
 
 _IPC_PREFIX = "czmq-"

@@ -37,9 +37,11 @@ import time
 import warnings
 from typing import Any, Mapping, Optional
 
-SECRET_ENV = "COLLECTIVES_SECRET"
-SECRET_FILE_ENV = "COLLECTIVES_SECRET_FILE"
-REQUIRE_ENV = "COLLECTIVES_ZMQ_REQUIRE_SECRET"
+from collectives import settings
+
+SECRET_ENV = settings.SECRET.name
+SECRET_FILE_ENV = settings.SECRET_FILE.name
+REQUIRE_ENV = settings.ZMQ_REQUIRE_SECRET.name
 MIN_SECRET_CHARS = 16
 NONCE_BYTES = 32
 MAC_BYTES = 32
@@ -82,8 +84,8 @@ def verify(key: Optional[bytes], label: bytes, data: bytes, tag: bytes, extra: b
 def choose_mode(rendezvous: Any, env: Mapping[str, str]) -> tuple[str, Optional[bytes]]:
     """``(mode, key or None)`` from the environment; rank 0 of ``file``/``open`` mode
     generates the key later, the others learn it at the rendezvous."""
-    secret = env.get(SECRET_ENV) or None     # empty: not set
-    path = env.get(SECRET_FILE_ENV)
+    secret = settings.SECRET.get(env)     # (blank: not set)
+    path = settings.SECRET_FILE.get(env)
     if secret is None and path:
         try:
             with open(path, "rb") as f:
@@ -101,7 +103,7 @@ def choose_mode(rendezvous: Any, env: Mapping[str, str]) -> tuple[str, Optional[
                    and rendezvous.local_world_size == rendezvous.world_size)
     if single_host:
         return "file", None
-    if env.get(REQUIRE_ENV, "") not in ("", "0"):
+    if settings.ZMQ_REQUIRE_SECRET.get(env):
         raise ValueError(f"zmq backend: {REQUIRE_ENV} is set but no {SECRET_ENV} (or "
                          f"{SECRET_FILE_ENV}) was given; export the same secret to every rank")
     if rendezvous.rank == 0:

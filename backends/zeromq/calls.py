@@ -10,7 +10,7 @@ its progress :mod:`backends.zeromq.progress`.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
@@ -18,8 +18,6 @@ from collectives.work import Work
 
 from . import wire
 
-if TYPE_CHECKING:
-    from .engine import Engine
 
 
 class Call:
@@ -114,7 +112,7 @@ class _GroupState:
 class _RecvWork(Work):
     __slots__ = ("_engine", "_req")
 
-    def __init__(self, engine: "Engine", req: _Recv) -> None:
+    def __init__(self, engine: Any, req: _Recv) -> None:
         self._engine, self._req = engine, req
 
     def wait(self, timeout: Optional[float] = None) -> None:
@@ -138,7 +136,7 @@ class _PartsWork(_RecvWork):
 class _SendWork(Work):
     __slots__ = ("_engine", "_call", "_dst", "_tracker")
 
-    def __init__(self, engine: "Engine", call: Call, dst: int, tracker: Any) -> None:
+    def __init__(self, engine: Any, call: Call, dst: int, tracker: Any) -> None:
         self._engine, self._call, self._dst, self._tracker = engine, call, dst, tracker
 
     def wait(self, timeout: Optional[float] = None) -> None:

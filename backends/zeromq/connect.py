@@ -35,7 +35,7 @@ from typing import Any, Mapping, Optional
 
 import zmq
 
-from collectives.environment import env_number
+from collectives import settings
 from collectives.errors import CollectiveError, CollectiveTimeout, PeerError
 
 from . import auth, heap, wire
@@ -45,14 +45,7 @@ from .wire import Kind
 
 #: Frames of at least this many bytes are sent zero-copy (pyzmq copies smaller ones anyway).
 ZERO_COPY_MIN = 64 * 1024
-HEARTBEAT_ENV = "COLLECTIVES_ZMQ_HEARTBEAT_S"
-SPIN_ENV = "COLLECTIVES_ZMQ_SPIN_US"
-IO_THREADS_ENV = "COLLECTIVES_ZMQ_IO_THREADS"
-DEFAULT_SPIN_US = 0.0
-LINGER_ENV = "COLLECTIVES_ZMQ_LINGER_S"
-INIT_TIMEOUT_ENV = "COLLECTIVES_ZMQ_INIT_TIMEOUT"
-DEFAULT_HEARTBEAT_S = 5.0
-DEFAULT_LINGER_S = 2.0
+#: The rendezvous may take at least this long (COLLECTIVES_ZMQ_INIT_TIMEOUT overrides).
 MIN_INIT_TIMEOUT = 60.0
 #: Unauthenticated handshakes remembered at once (oldest forgotten first).
 MAX_PENDING_HANDSHAKES = 256
@@ -139,11 +132,11 @@ class Connector:
     def _start(self, rdzv: Any, env: Mapping[str, str]) -> None:
         where = f"{self._where0} init"
         self._master = master = resolve_master(rdzv.master_addr, rdzv.master_port, where)
-        self._heartbeat_s = env_number(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_S, kind=float, env=env)
-        self._spin_s = env_number(SPIN_ENV, DEFAULT_SPIN_US, kind=float, env=env) * 1e-6
-        self._linger_s = env_number(LINGER_ENV, DEFAULT_LINGER_S, kind=float, env=env)
-        init_timeout = env_number(INIT_TIMEOUT_ENV, max(self.timeout, MIN_INIT_TIMEOUT),
-                                  kind=float, env=env)
+        self._heartbeat_s = settings.ZMQ_HEARTBEAT_S.get(env)
+        self._spin_s = settings.ZMQ_SPIN_US.get(env) * 1e-6
+        self._linger_s = settings.ZMQ_LINGER_S.get(env)
+        init_timeout = settings.ZMQ_INIT_TIMEOUT.get(env) or max(self.timeout,
+                                                                 MIN_INIT_TIMEOUT)
         self.mode, self._key = auth.choose_mode(rdzv, env)
         self._mode_code = _MODE_CODES[self.mode]
         self._key_path = auth.key_file_path(f"{rdzv.job_id}|{master.ip}:{master.port}|{self.size}") \
@@ -154,7 +147,7 @@ class Connector:
                 auth.write_key_file(self._key_path, self._key)
 
         self.malloc = heap.keep_receive_buffers(env)  # before libzmq's first receive
-        self._ctx = zmq.Context(io_threads=max(1, env_number(IO_THREADS_ENV, 1, env=env)))
+        self._ctx = zmq.Context(io_threads=settings.ZMQ_IO_THREADS.get(env))
         self._ctx.setsockopt(zmq.LINGER, 0)
         _note_gc_state()
         # This rank's inbound socket.
@@ -310,7 +303,7 @@ class Connector:
                         else f"rank {out.server}"
                     raise auth.AuthenticationError(
                         f"{self._where0} init: {who} at {out.endpoint} could not prove the job "
-                        f"key (auth mode {self.mode}): a different COLLECTIVES_SECRET, or not a "
+                        f"key (auth mode {self.mode}): a different {settings.SECRET.name}, or not a "
                         f"rank of this job")
                 out.transcript = t
                 extra = self._announce if out.purpose == auth.PURPOSE_RENDEZVOUS else b""
@@ -431,7 +424,7 @@ class Connector:
             names = {v: k for k, v in _MODE_CODES.items()}
             self._refuse(inb, rid, client, f"authentication mode mismatch: rank {self.rank} "
                                            f"uses {self.mode!r}, you {names.get(mode, mode)!r} "
-                                           f"(set the same COLLECTIVES_SECRET on every rank)")
+                                           f"(set the same {settings.SECRET.name} on every rank)")
             return
         if client in inb.rank_rid:
             self._refuse(inb, rid, client, f"rank {client} is already connected")

@@ -75,7 +75,7 @@ class Engine(Matcher, Progress, Connector):
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._token = False
-        self._closed = False
+        self._closed: Optional[str] = None   # "closed" or "aborted" once it is
         self._posted: dict[tuple, collections.deque] = {}
         self._unexpected: dict[tuple, collections.deque] = {}
         self._partial: dict[tuple, _Partial] = {}
@@ -218,7 +218,7 @@ class Engine(Matcher, Progress, Connector):
     # ========================================================================== sends
     def _check_open(self, call: Call) -> None:
         if self._closed:
-            raise CollectiveError(f"{call.where}: the group is closed")
+            raise CollectiveError(f"{call.where}: the group is {self._closed}")
 
     def isend(self, call: Call, dst: int, tag: int, array: np.ndarray) -> Work:
         self._check_open(call)
@@ -349,27 +349,9 @@ class Engine(Matcher, Progress, Connector):
     def close(self) -> None:
         """Say goodbye to the peers, close every socket and the context (sends still queued
         get at most COLLECTIVES_ZMQ_LINGER_S), remove the ipc directory."""
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-            until = time.monotonic() + 2.0  # a waiter hands the token back within a slice
-            while self._token and time.monotonic() < until:
-                self._cond.wait(SLICE_S)
-            mine = not self._token  # else a waiter is stuck in the sockets: leave them
-            self._token = True
-            for q in self._posted.values():
-                for r in q:
-                    if r.error is None and not r.done:
-                        r.error = CollectiveError(f"{r.call.where}: the group was closed")
-            for part in self._partial.values():
-                r = part.req
-                if r is not None and r.error is None and not r.done:
-                    r.error = CollectiveError(f"{r.call.where}: the group was closed")
-            self._posted.clear()
-            self._unexpected.clear()
-            self._partial.clear()
-            self._cond.notify_all()
+        mine = self._shut("closed", wait_s=2.0)
+        if mine is None:
+            return
         if mine and self._router is not None:
             # Read the BYEs of peers that closed first: a BYE (or a queued send) to them
             # would wait out the whole linger in ctx.term (2 s, in 1 close in 15).
@@ -391,6 +373,53 @@ class Engine(Matcher, Progress, Connector):
                     except zmq.ZMQError:
                         pass
         self._teardown(linger_ms=int(getattr(self, "_linger_s", 0) * 1000))
+
+    def abort(self) -> None:
+        """End every wait now and close every socket without a goodbye and without
+        lingering: the peers see this rank's connections drop, as if it died, and fail
+        their calls over it. A waiter in the sockets hands the progress token back within
+        a slice (``SLICE_S``: its poll is bounded by it) and raises; only a waiter that
+        did not within a second would leave the sockets open (to the process's exit)."""
+        mine = self._shut("aborted", wait_s=1.0)
+        if mine:
+            self._teardown(linger_ms=0)
+
+    def abort_group(self, gid: int) -> None:
+        """A sub-group was aborted: its waits fail now, its later calls fail, and its
+        other members are told (they fail instead of waiting); the world goes on."""
+        with self._lock:
+            gs = self._groups.get(gid)
+            if gs is not None:
+                self._fail_group(gs, "the group was aborted", forward=True)
+
+    def _shut(self, how: str, wait_s: float) -> Optional[bool]:
+        """Mark the engine closed (``how``: "closed", "aborted"), fail every posted and
+        partly received request, and take the progress token once its holder hands it
+        back (at most ``wait_s``). Returns whether this thread now owns the sockets (None:
+        the engine was closed already)."""
+        with self._cond:
+            if self._closed:
+                return None
+            self._closed = how
+            until = time.monotonic() + wait_s  # a waiter hands the token back within a slice
+            self._cond.notify_all()
+            while self._token and time.monotonic() < until:
+                self._cond.wait(SLICE_S)
+            mine = not self._token  # else a waiter is stuck in the sockets: leave them
+            self._token = True
+            for q in self._posted.values():
+                for r in q:
+                    if r.error is None and not r.done:
+                        r.error = CollectiveError(f"{r.call.where}: the group was {how}")
+            for part in self._partial.values():
+                r = part.req
+                if r is not None and r.error is None and not r.done:
+                    r.error = CollectiveError(f"{r.call.where}: the group was {how}")
+            self._posted.clear()
+            self._unexpected.clear()
+            self._partial.clear()
+            self._cond.notify_all()
+        return mine
 
     def _teardown(self, linger_ms: int) -> None:
         for p, sock in enumerate(self._dealers):

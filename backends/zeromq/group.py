@@ -1,4 +1,5 @@
-"""``ZmqGroup``: the ProcessGroup of the zmq backend (the world and its sub-groups)."""
+"""``ZmqBackend``: the :class:`~collectives.backend.Backend` of the zmq transport (the
+world and its sub-groups, which share the world's sockets)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from collectives import settings
 from collectives.algorithms.links import Links
-from collectives.group import ProcessGroup
+from collectives.backend import Backend
+from collectives.paths import PathTable
 from collectives.reduce_op import ReduceOp
 from collectives.thresholds import SizeThreshold
 from collectives.work import Work
@@ -32,22 +35,22 @@ def _gid(parent: int, members: tuple, instance: int) -> int:
 
 class _CallLinks:
     """Point to point inside one call, in the shape ``collectives.algorithms`` expect
-    (``rank``, ``size``, ``_isend``, ``_irecv``); group ranks in, world ranks out."""
+    (``rank``, ``size``, ``isend``, ``irecv``); group ranks in, world ranks out."""
 
     __slots__ = ("rank", "size", "scratch", "_engine", "_call", "_members")
 
-    def __init__(self, group: "ZmqGroup", call: Call) -> None:
+    def __init__(self, group: "ZmqBackend", call: Call) -> None:
         self.rank, self.size = group.rank, group.size
         self.scratch = group._scratch
         self._engine, self._call, self._members = group._engine, call, group._members
 
-    def _isend(self, array: np.ndarray, dst: int, tag: int) -> Work:
+    def isend(self, array: np.ndarray, dst: int, tag: int) -> Work:
         return self._engine.isend(self._call, self._members[dst], tag, array)
 
-    def _irecv(self, array: np.ndarray, src: int, tag: int) -> Work:
+    def irecv(self, array: np.ndarray, src: int, tag: int) -> Work:
         return self._engine.irecv(self._call, self._members[src], tag, array)
 
-    def _irecv_parts(self, like: np.ndarray, src: int, tag: int) -> Work:
+    def irecv_parts(self, like: np.ndarray, src: int, tag: int) -> Work:
         """Receive a message shaped like ``like`` into the buffers it arrives in; read
         it with ``work.parts()`` (see :meth:`Engine.irecv_parts`)."""
         return self._engine.irecv_parts(self._call, self._members[src], tag, like)
@@ -56,7 +59,7 @@ class _CallLinks:
 _P2P_META = wire.Meta(wire.OP_CODES["send"], wire.NO_SEQ)
 
 
-class ZmqGroup(ProcessGroup):
+class ZmqBackend(Backend):
     """Ranks connected by ZeroMQ sockets. A sub-group shares its world's sockets; its
     messages carry its own group id.
 
@@ -64,14 +67,15 @@ class ZmqGroup(ProcessGroup):
 
         pg = collectives.init_process_group()        # backend from COLLECTIVES_BACKEND
         pg.all_reduce(t); pg.close()
+        pg.transport.auth_mode                       # 'secret' (spawn makes one)
     """
 
-    backend = "zmq"
+    name = "zmq"
 
     def __init__(self, engine: Engine, members: tuple, gid: int, timeout: float) -> None:
-        super().__init__(members.index(engine.rank), len(members), timeout=timeout)
+        super().__init__(members.index(engine.rank), len(members), timeout)
         self._engine, self._members, self._gid = engine, members, gid
-        self._subgroups: "weakref.WeakSet[ZmqGroup]" = weakref.WeakSet()
+        self._subgroups: "weakref.WeakSet[ZmqBackend]" = weakref.WeakSet()
         self._scratch = native.Scratch()
         engine.register_group(gid, members)
 
@@ -110,12 +114,12 @@ class ZmqGroup(ProcessGroup):
     # ----------------------------------------------------------------- point to point
     def _p2p_call(self, what: str) -> Call:
         return Call(self._gid, self._members, self.rank, what, -1, _P2P_META, 0, self.timeout,
-                    self._where(what), collective=False)
+                    self.where(what), collective=False)
 
-    def _isend(self, array: np.ndarray, dst: int, tag: int) -> Work:
+    def isend(self, array: np.ndarray, dst: int, tag: int) -> Work:
         return self._engine.isend(self._p2p_call("send"), self._members[dst], tag, array)
 
-    def _irecv(self, array: np.ndarray, src: int, tag: int) -> Work:
+    def irecv(self, array: np.ndarray, src: int, tag: int) -> Work:
         return self._engine.irecv(self._p2p_call("recv"), self._members[src], tag, array)
 
     # -------------------------------------------------------------------- collectives
@@ -124,7 +128,7 @@ class ZmqGroup(ProcessGroup):
         meta = wire.Meta(wire.OP_CODES[op], seq, count, root, wire.REDOP_CODES[redop])
         code = wire.dtype_code(dtype)
         call = Call(self._gid, self._members, self.rank, op, seq, meta, code, self.timeout,
-                    self._where(op), collective=True)  # Call.where adds "(seq N)"
+                    self.where(op), collective=True)  # Call.where adds "(seq N)"
         if self.size == 1:
             fn(Links(_CallLinks(self, call), seq))
             return
@@ -136,66 +140,66 @@ class ZmqGroup(ProcessGroup):
         finally:
             self._engine.end(call, ok)
 
-    def size_thresholds(self) -> tuple[SizeThreshold, ...]:
-        """zmq's own lines: its native collectives' switches (``backends.zeromq.native``),
-        and the framing of every message (inline up to ``INLINE_MAX``, zero-copy frames
-        from ``ZERO_COPY_MIN``, several frames beyond ``FRAME_MAX``)."""
+    def paths(self) -> PathTable:
+        """zmq's own choices (``backends.zeromq.native``), and the framing of every message
+        (inline up to ``INLINE_MAX``, zero-copy frames from ``ZERO_COPY_MIN``, several
+        frames beyond ``FRAME_MAX``)."""
         moving = ("send", "broadcast", "all_gather", "gather", "scatter", "all_to_all")
-        return (
-            SizeThreshold("zmq.native.PAIR_ONE_ROUND_BYTES", native.PAIR_ONE_ROUND_BYTES,
-                          ("all_reduce",), max_ranks=min(2, native.DIRECT_MAX_RANKS)),
-            SizeThreshold("zmq.native.ALL_REDUCE_DIRECT_BYTES", native.ALL_REDUCE_DIRECT_BYTES,
-                          ("all_reduce",), min_ranks=3, max_ranks=native.DIRECT_MAX_RANKS),
-            SizeThreshold("zmq.native.ROOTED_SPLIT_BYTES", native.ROOTED_SPLIT_BYTES,
-                          ("broadcast", "reduce"), min_ranks=3),
-            SizeThreshold("zmq.wire.INLINE_MAX", wire.INLINE_MAX, moving),
-            SizeThreshold("zmq.connect.ZERO_COPY_MIN", ZERO_COPY_MIN, moving),
-            SizeThreshold("zmq.wire.FRAME_MAX", wire.FRAME_MAX, moving),
-        )
+        return native.paths((
+            SizeThreshold("zmq.wire.INLINE_MAX (one frame: header and bytes)",
+                          wire.INLINE_MAX, moving),
+            SizeThreshold("zmq.connect.ZERO_COPY_MIN (frames sent zero-copy)",
+                          ZERO_COPY_MIN, moving),
+            SizeThreshold("zmq.wire.FRAME_MAX (several messages)", wire.FRAME_MAX, moving)))
 
-    def _barrier(self, seq: int) -> None:
+    def describe(self) -> list[str]:
+        return [f"authentication: {self.auth_mode}; malloc: {self.malloc}",
+                "sends to: " + ", ".join(f"rank {r} {e}" for r, e in
+                                         sorted(self.connections.items()))]
+
+    def barrier(self, seq: int) -> None:
         self._collective("barrier", seq, native.barrier, dtype=np.dtype(np.uint8), count=0)
 
-    def _broadcast(self, a: np.ndarray, src: int, seq: int) -> None:
+    def broadcast(self, a: np.ndarray, root: int, seq: int) -> None:
         flat = a.reshape(-1)
-        self._collective("broadcast", seq, lambda links: native.broadcast(links, flat, src),
-                         dtype=a.dtype, count=a.size, root=src)
+        self._collective("broadcast", seq, lambda links: native.broadcast(links, flat, root),
+                         dtype=a.dtype, count=a.size, root=root)
 
-    def _all_reduce(self, a: np.ndarray, op: ReduceOp, seq: int) -> None:
+    def all_reduce(self, a: np.ndarray, op: ReduceOp, seq: int) -> None:
         flat = a.reshape(-1)
         self._collective("all_reduce", seq, lambda links: native.all_reduce(links, flat, op),
                          dtype=a.dtype, count=a.size, redop=op)
 
-    def _reduce(self, a: np.ndarray, dst: int, op: ReduceOp, seq: int) -> None:
+    def reduce(self, a: np.ndarray, root: int, op: ReduceOp, seq: int) -> None:
         flat = a.reshape(-1)
-        self._collective("reduce", seq, lambda links: native.reduce(links, flat, dst, op),
-                         dtype=a.dtype, count=a.size, root=dst, redop=op)
+        self._collective("reduce", seq, lambda links: native.reduce(links, flat, root, op),
+                         dtype=a.dtype, count=a.size, root=root, redop=op)
 
-    def _all_gather(self, out: np.ndarray, inp: np.ndarray, seq: int) -> None:
+    def all_gather(self, out: np.ndarray, inp: np.ndarray, seq: int) -> None:
         self._collective("all_gather", seq, lambda links: native.all_gather(links, out, inp),
                          dtype=inp.dtype, count=inp.size)
 
-    def _gather(self, inp: np.ndarray, out: Optional[np.ndarray], dst: int, seq: int) -> None:
-        self._collective("gather", seq, lambda links: native.gather(links, inp, out, dst),
-                         dtype=inp.dtype, count=inp.size, root=dst)
+    def gather(self, inp: np.ndarray, out: Optional[np.ndarray], root: int, seq: int) -> None:
+        self._collective("gather", seq, lambda links: native.gather(links, inp, out, root),
+                         dtype=inp.dtype, count=inp.size, root=root)
 
-    def _scatter(self, out: np.ndarray, inp: Optional[np.ndarray], src: int, seq: int) -> None:
-        self._collective("scatter", seq, lambda links: native.scatter(links, out, inp, src),
-                         dtype=out.dtype, count=out.size, root=src)
+    def scatter(self, out: np.ndarray, inp: Optional[np.ndarray], root: int, seq: int) -> None:
+        self._collective("scatter", seq, lambda links: native.scatter(links, out, inp, root),
+                         dtype=out.dtype, count=out.size, root=root)
 
-    def _reduce_scatter(self, out: np.ndarray, inp: np.ndarray, op: ReduceOp, seq: int) -> None:
+    def reduce_scatter(self, out: np.ndarray, inp: np.ndarray, op: ReduceOp, seq: int) -> None:
         self._collective("reduce_scatter", seq,
                          lambda links: native.reduce_scatter(links, out, inp, op),
                          dtype=inp.dtype, count=out.size, redop=op)
 
-    def _all_to_all(self, out: np.ndarray, inp: np.ndarray, out_counts: Sequence[int],
+    def all_to_all(self, out: np.ndarray, inp: np.ndarray, out_counts: Sequence[int],
                     in_counts: Sequence[int], seq: int) -> None:
         self._collective("all_to_all", seq,
                          lambda links: native.all_to_all(links, out, inp, out_counts, in_counts),
                          dtype=inp.dtype, count=wire.ANY_COUNT)
 
     # ------------------------------------------------------------------------ objects
-    def _decode_object(self, data: np.ndarray, src: int) -> Any:
+    def decode_object(self, data: np.ndarray, src: int) -> Any:
         """Every message was accepted from an authenticated connection: unpickle, except in
         ``open`` mode (trust on first use), where only plain data is decoded."""
         raw = data.tobytes()
@@ -205,20 +209,21 @@ class ZmqGroup(ProcessGroup):
             return auth.plain_loads(raw)
         except pickle.UnpicklingError as exc:
             raise TypeError(
-                f"{self._where('object collective')}: refusing to unpickle {exc} from rank "
-                f"{src}: without COLLECTIVES_SECRET (trust-on-first-use mode) object "
+                f"{self.where('object collective')}: refusing to unpickle {exc} from rank "
+                f"{src}: without {settings.SECRET.name} (trust-on-first-use mode) object "
                 f"collectives carry plain data only (None, bool, int, float, str, bytes, "
                 f"tuple, list, dict, set)") from None
 
     # --------------------------------------------------------------------- sub-groups
-    def _new_group(self, ranks: tuple, instance: int) -> ProcessGroup:
+    def new_group(self, ranks: tuple, instance: int) -> "ZmqBackend":
         members = tuple(self._members[r] for r in ranks)
-        sub = ZmqGroup(self._engine, members, _gid(self._gid, members, instance), self.timeout)
+        sub = ZmqBackend(self._engine, members, _gid(self._gid, members, instance),
+                         self.timeout)
         self._subgroups.add(sub)
         return sub
 
     # ------------------------------------------------------------------------ lifetime
-    def _close(self) -> None:
+    def close(self) -> None:
         for sub in list(self._subgroups):
             sub.close()
         self._scratch.release()
@@ -226,3 +231,11 @@ class ZmqGroup(ProcessGroup):
             self._engine.close()
         else:
             self._engine.unregister_group(self._gid)
+
+    def abort(self) -> None:
+        """The world: every socket closed without a goodbye (the peers see this rank
+        gone); a sub-group: its calls fail, the world's other groups go on."""
+        if self._gid == 0:
+            self._engine.abort()
+        else:
+            self._engine.abort_group(self._gid)

@@ -41,7 +41,9 @@ import os
 import threading
 from typing import Mapping, Optional
 
-MALLOC_ENV = "COLLECTIVES_ZMQ_MALLOC"
+from collectives import settings
+
+MALLOC_ENV = settings.ZMQ_MALLOC.name
 #: glibc's ``mallopt`` parameters (malloc.h).
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -70,15 +72,11 @@ def keep_receive_buffers(env: Optional[Mapping[str, str]] = None) -> str:
 
     Example (each of two ranks calls it when its zmq group starts)::
 
-        >>> keep_receive_buffers({"COLLECTIVES_ZMQ_MALLOC": "system"})  # doctest: +SKIP
+        >>> keep_receive_buffers({MALLOC_ENV: "system"})  # doctest: +SKIP
         'system'
     """
     global _state
-    env = os.environ if env is None else env
-    choice = env.get(MALLOC_ENV, "keep").strip().lower() or "keep"
-    if choice not in ("keep", "system"):
-        raise ValueError(f"environment variable {MALLOC_ENV}={env.get(MALLOC_ENV)!r}: "
-                         f"expected 'keep' or 'system'")
+    choice = settings.ZMQ_MALLOC.get(env)
     with _lock:
         if _state is not None:
             return _state

@@ -37,44 +37,37 @@ are copied into a :class:`Scratch` the group keeps between calls instead.
 
 from __future__ import annotations
 
-import os
 from typing import Optional, Sequence
 
 import numpy as np
 
+from collectives import settings
 from collectives.algorithms import dispatch, pairwise, recursive_doubling, ring, tree, \
     two_phase, dissemination
 from collectives.algorithms.links import Links, wait_all
 from collectives.errors import CollectiveMismatch, where
+from collectives.paths import Path, PathTable
 from collectives.reduce_op import ReduceOp, combine_into, finish, kernel
-
-
-def _tunable(name: str, default: int) -> int:
-    value = os.environ.get(f"COLLECTIVES_ZMQ_{name}", "").strip()
-    try:
-        return int(value) if value else default
-    except ValueError:
-        raise ValueError(f"environment variable COLLECTIVES_ZMQ_{name}={value!r} is not an "
-                         f"integer") from None
+from collectives.thresholds import SizeThreshold
 
 
 #: Direct (one-round, all-peers-at-once) algorithms up to this many ranks
 #: (``COLLECTIVES_ZMQ_DIRECT_MAX_RANKS``; every rank must see the same value).
-DIRECT_MAX_RANKS = _tunable("DIRECT_MAX_RANKS", 8)
+DIRECT_MAX_RANKS: int = settings.ZMQ_DIRECT_MAX_RANKS.get()
 #: all_reduce of 3 ranks and more: one round of direct exchange up to this many bytes;
 #: above, reduce-scatter + all-gather (``COLLECTIVES_ZMQ_ALL_REDUCE_DIRECT_BYTES``).
-ALL_REDUCE_DIRECT_BYTES = _tunable("ALL_REDUCE_DIRECT_BYTES", 64 * 1024)
+ALL_REDUCE_DIRECT_BYTES: int = settings.ZMQ_ALL_REDUCE_DIRECT_BYTES.get()
 #: all_reduce of two ranks: one round (:func:`pair_all_reduce`) up to this many bytes; above,
 #: reduce-scatter + all-gather, which has half as much in libzmq's buffers at a time
 #: (``COLLECTIVES_ZMQ_PAIR_ONE_ROUND_BYTES``).
-PAIR_ONE_ROUND_BYTES = _tunable("PAIR_ONE_ROUND_BYTES", 8 << 20)
+PAIR_ONE_ROUND_BYTES: int = settings.ZMQ_PAIR_ONE_ROUND_BYTES.get()
 #: broadcast/reduce: whole message from/to the root up to this many bytes; above (and
 #: n > 2), split so that every rank carries 1/n of it.
-ROOTED_SPLIT_BYTES = _tunable("ROOTED_SPLIT_BYTES", 256 * 1024)
+ROOTED_SPLIT_BYTES: int = settings.ZMQ_ROOTED_SPLIT_BYTES.get()
 
 
 #: Scratch kept between calls up to this many bytes (larger needs are allocated fresh).
-SCRATCH_KEEP_BYTES = _tunable("SCRATCH_KEEP_BYTES", 256 << 20)
+SCRATCH_KEEP_BYTES: int = settings.ZMQ_SCRATCH_KEEP_BYTES.get()
 
 
 class Scratch:
@@ -101,7 +94,7 @@ class Scratch:
 
 
 def _scratch(links: Links) -> Scratch:
-    s = getattr(links._group, "scratch", None)  # the group's, when it offers one
+    s = getattr(links.p2p, "scratch", None)  # the group's, when it offers one
     return s if s is not None else Scratch()
 
 
@@ -243,7 +236,7 @@ def _irecv_parts(links: Links, like: np.ndarray, src: int, step: int, zero_copy:
     """A receive from ``src`` whose ``parts()`` yields ``(byte offset, buffer)`` pairs:
     with ``zero_copy`` on a zmq group, each part as it arrives, in libzmq's buffer; else
     the whole message once received into this peer's slot of the group's scratch."""
-    fast = getattr(links._group, "_irecv_parts", None)
+    fast = getattr(links.p2p, "irecv_parts", None)
     if zero_copy and fast is not None:
         return fast(like, src, links.tag(step))
     slot = src if src < links.rank else src - 1  # one slot per peer
@@ -420,3 +413,49 @@ def barrier(links: Links) -> None:
     works = [links.irecv(np.empty(0, np.uint8), p) for p in _peers(links)]
     works += [links.isend(token, p) for p in _peers(links)]
     wait_all(works)
+
+
+def paths(framing: Sequence[SizeThreshold]) -> PathTable:
+    """The choices above as a table (``pg.describe()``, and the lines the conformance
+    suite crosses), with the wire's ``framing`` lines (every message's, whatever the
+    algorithm)."""
+    direct, beyond = DIRECT_MAX_RANKS, DIRECT_MAX_RANKS + 1
+    pair_max = min(2, direct)
+    return PathTable({
+        "all_reduce": [
+            Path("pair: one round, each folds the other's vector from libzmq's buffers",
+                 PAIR_ONE_ROUND_BYTES, "zmq.native.PAIR_ONE_ROUND_BYTES",
+                 max_ranks=pair_max, inclusive=True),
+            Path("direct: whole vectors to every peer, folded in rank order",
+                 ALL_REDUCE_DIRECT_BYTES, "zmq.native.ALL_REDUCE_DIRECT_BYTES", min_ranks=3,
+                 max_ranks=direct, inclusive=True),
+            Path("direct reduce-scatter + all-gather", max_ranks=direct),
+            Path("recursive doubling", dispatch.ALL_REDUCE_RING_BYTES,
+                 "algorithms.ALL_REDUCE_RING_BYTES", min_ranks=beyond),
+            Path("ring reduce-scatter + all-gather", min_ranks=beyond)],
+        "broadcast": [
+            Path("the root sends to every peer", ROOTED_SPLIT_BYTES,
+                 "zmq.native.ROOTED_SPLIT_BYTES", min_ranks=3, max_ranks=direct,
+                 inclusive=True),
+            Path("direct scatter + all-gather", min_ranks=3, max_ranks=direct),
+            Path("the root sends to its peer", max_ranks=2),
+            Path("binomial tree", ROOTED_SPLIT_BYTES, "zmq.native.ROOTED_SPLIT_BYTES",
+                 min_ranks=beyond, inclusive=True),
+            Path("scatter + ring all-gather", min_ranks=beyond)],
+        "reduce": [
+            Path("every rank sends to the root, which folds in rank order",
+                 ROOTED_SPLIT_BYTES, "zmq.native.ROOTED_SPLIT_BYTES", min_ranks=3,
+                 max_ranks=direct, inclusive=True),
+            Path("binomial tree", ROOTED_SPLIT_BYTES, "zmq.native.ROOTED_SPLIT_BYTES",
+                 min_ranks=beyond, inclusive=True),
+            Path("ring reduce-scatter + gather", min_ranks=3),
+            Path("the peer sends to the root", max_ranks=2)],
+        "all_gather": [Path("direct", max_ranks=direct), Path("ring", min_ranks=beyond)],
+        "reduce_scatter": [Path("direct, folded in rank order", max_ranks=direct),
+                           Path("ring", min_ranks=beyond)],
+        "gather": [Path("direct", max_ranks=direct), Path("binomial tree", min_ranks=beyond)],
+        "scatter": [Path("direct", max_ranks=direct), Path("binomial tree", min_ranks=beyond)],
+        "all_to_all": [Path("direct", max_ranks=direct),
+                       Path("pairwise exchange", min_ranks=beyond)],
+        "barrier": [Path("direct", max_ranks=direct), Path("dissemination", min_ranks=beyond)],
+    }, framing)

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import zmq
 
-from collectives.errors import CollectiveError, CollectiveTimeout, PeerError
+from collectives.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, PeerError
 
 from . import wire
 from .calls import Call, _group_rank, _Recv
@@ -203,8 +203,8 @@ class Progress:
                     if ready is not None and ready():
                         return
                     if self._closed:
-                        raise CollectiveError(f"{req.call.where}: the group was closed while "
-                                              f"waiting")
+                        raise CollectiveError(f"{req.call.where}: the group was "
+                                              f"{self._closed} while waiting")
                     now = time.monotonic()
                     if now >= deadline:
                         c = req.call
@@ -249,6 +249,13 @@ class Progress:
     def wait_send(self, tracker: Any, call: Call, dst: int, timeout: Optional[float]) -> None:
         deadline = self._deadline(call, timeout)
         while not tracker.done:
+            if self._closed:
+                raise CollectiveError(f"{call.where}: the group was {self._closed} while "
+                                      f"sending")
+            gs = self._groups.get(call.gid)
+            if gs is not None and gs.error:
+                raise CollectiveMismatch(f"{call.where}: the group is unusable after an "
+                                         f"earlier error: {gs.error}")
             # Nobody else may be reading the sockets: learn of a death here too, or a
             # send to a dead rank would wait for the whole timeout.
             self._drain_if_free(lambda: self._lost or self._monitor_pending())

@@ -1,10 +1,10 @@
 """Every collective written over point to point only.
 
-The base :class:`~collectives.group.ProcessGroup` uses these unless a backend overrides a
-hook, so a backend that implements only ``_isend``/``_irecv``/``_barrier`` is complete.
-Each function takes a :class:`Links` (send/recv with this call's tags) and the hook's
-buffers: flat, C-contiguous host arrays, outputs written in place (the contract is in
-:mod:`collectives.hooks`).
+Every :class:`~collectives.backend.Backend` runs these unless it has a collective of its
+own, so a backend that implements only ``isend``/``irecv`` is complete. Each function
+takes a :class:`Links` (send/recv with this call's tags) and the buffers a backend's
+collective receives: flat, C-contiguous host arrays, outputs written in place (the
+contract is in :mod:`collectives.backend`).
 """
 
 from .links import Links, PointToPoint, wait_all

@@ -28,8 +28,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from ..paths import Path, PathTable
 from ..reduce_op import ReduceOp, finish
-from ..thresholds import SizeThreshold
 from . import dissemination, pairwise, recursive_doubling, ring, tree, two_phase
 from .links import Links
 
@@ -40,14 +40,27 @@ BROADCAST_LARGE_BYTES = 512 * 1024
 #: reduce switches from the binomial tree to reduce-scatter + gather at this many bytes.
 REDUCE_LARGE_BYTES = 512 * 1024
 
-#: The lines above, for the conformance suite (see ``collectives.thresholds``).
-THRESHOLDS: tuple[SizeThreshold, ...] = (
-    SizeThreshold("algorithms.ALL_REDUCE_RING_BYTES", ALL_REDUCE_RING_BYTES, ("all_reduce",)),
-    SizeThreshold("algorithms.BROADCAST_LARGE_BYTES", BROADCAST_LARGE_BYTES, ("broadcast",),
-                  min_ranks=3),
-    SizeThreshold("algorithms.REDUCE_LARGE_BYTES", REDUCE_LARGE_BYTES, ("reduce",),
-                  min_ranks=3),
-)
+#: The choices below as a table (``pg.describe()``; the conformance suite crosses every
+#: line from both sides).
+PATHS = PathTable({
+    "broadcast": [Path("binomial tree", BROADCAST_LARGE_BYTES,
+                       "algorithms.BROADCAST_LARGE_BYTES", min_ranks=3),
+                  Path("scatter + ring all-gather", min_ranks=3),
+                  Path("binomial tree", max_ranks=2)],
+    "all_reduce": [Path("recursive doubling", ALL_REDUCE_RING_BYTES,
+                        "algorithms.ALL_REDUCE_RING_BYTES"),
+                   Path("ring reduce-scatter + all-gather")],
+    "reduce": [Path("binomial tree", REDUCE_LARGE_BYTES, "algorithms.REDUCE_LARGE_BYTES",
+                    min_ranks=3),
+               Path("ring reduce-scatter + binomial gather", min_ranks=3),
+               Path("binomial tree", max_ranks=2)],
+    "all_gather": [Path("ring")],
+    "reduce_scatter": [Path("ring")],
+    "gather": [Path("binomial tree")],
+    "scatter": [Path("binomial tree")],
+    "all_to_all": [Path("pairwise exchange")],
+    "barrier": [Path("dissemination")],
+})
 
 
 def _split_pays(links: Links, a: np.ndarray, threshold: int) -> bool:

@@ -21,27 +21,35 @@ MAX_STEPS = 1 << 12
 
 
 class PointToPoint(Protocol):
-    """What an algorithm needs of a group: its ranks and non-blocking send/recv."""
+    """What an algorithm needs of a transport: its ranks and non-blocking send/recv on raw
+    tags (a :class:`collectives.Backend` is one)."""
 
     rank: int
     size: int
 
-    def _isend(self, array: np.ndarray, dst: int, tag: int) -> Work: ...
+    def isend(self, array: np.ndarray, dst: int, tag: int) -> Work: ...
 
-    def _irecv(self, array: np.ndarray, src: int, tag: int) -> Work: ...
+    def irecv(self, array: np.ndarray, src: int, tag: int) -> Work: ...
 
 
 class Links:
     """Send/recv between group ranks inside collective number ``seq``.
 
+    ``p2p`` is a :class:`collectives.Backend` (what a backend's own collectives pass), or
+    a :class:`collectives.ProcessGroup`, whose backend's point to point is then used.
     ``step`` (0..4095) separates the messages of one call; a pair of ranks that exchange
     several messages with the same step receives them in order.
+
+    Two ranks, both: ``ring.all_reduce(Links(pg, seq=0), a, ReduceOp.SUM)``.
     """
 
-    def __init__(self, group: PointToPoint, seq: int) -> None:
-        self.rank = group.rank
-        self.size = group.size
-        self._group = group
+    def __init__(self, p2p: PointToPoint, seq: int) -> None:
+        p2p = getattr(p2p, "transport", p2p)   # a ProcessGroup: its backend's point to point
+        self.rank = p2p.rank
+        self.size = p2p.size
+        #: The transport this call's messages go through (a backend may offer more than
+        #: point to point on it: zmq's received parts, read where they arrived).
+        self.p2p = p2p
         self._base = COLLECTIVE_TAG_BIT | ((seq & 0xFFFFFF) << 12)
 
     def tag(self, step: int) -> int:
@@ -52,10 +60,10 @@ class Links:
         return self._base | step
 
     def isend(self, array: np.ndarray, dst: int, step: int = 0) -> Work:
-        return self._group._isend(array, dst, self.tag(step))
+        return self.p2p.isend(array, dst, self.tag(step))
 
     def irecv(self, array: np.ndarray, src: int, step: int = 0) -> Work:
-        return self._group._irecv(array, src, self.tag(step))
+        return self.p2p.irecv(array, src, self.tag(step))
 
     def send(self, array: np.ndarray, dst: int, step: int = 0) -> None:
         self.isend(array, dst, step).wait()

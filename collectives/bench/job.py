@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from .. import settings
 from ..mpiexec import MpiexecUnavailable, find_mpiexec, own_session_dying_with_parent
 from ..spawn import SpawnError, free_port, sigterm_raises, spawn
 from .measure import GroupRunner, MemcpyRunner, Runner, measure_many
@@ -79,7 +80,7 @@ def _open(impl: str, spec: JobSpec, rank: int, size: int) -> Runner:
     if impl == "torch-gloo":
         from .peers import TorchGlooRunner
         return TorchGlooRunner(rank, size, "127.0.0.1", spec.torch_port, spec.timeout)
-    from ..launch import init_process_group
+    from ..world import init_process_group
     ours = impl == spec.impls[0]
     return GroupRunner(init_process_group(impl, timeout=spec.timeout), impl,
                        persistent=spec.persistent and ours, symmetric=spec.symmetric and ours)
@@ -135,10 +136,10 @@ def run_mpiexec(spec: JobSpec, nproc: int, job_timeout: float) -> tuple[list[dic
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, env.get("PYTHONPATH")]))
         for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                     "COLLECTIVES_JOB_ID", "COLLECTIVES_SPAWNED"):
+                     settings.JOB_ID.name, settings.SPAWNED.name):
             env.pop(name, None)  # the ranks' identity must come from mpiexec
         env.setdefault("OMP_NUM_THREADS", "1")
-        extra = shlex.split(os.environ.get("COLLECTIVES_MPIEXEC_ARGS", ""))
+        extra = settings.MPIEXEC_ARGS.get()
         command = [program, "-n", str(nproc), *extra, sys.executable, "-m",
                    "collectives.bench", "--worker", spec_path]
         log_path = os.path.join(tmp, "mpiexec.log")

@@ -42,8 +42,8 @@ __all__ = [
 ]
 
 try:  # written separately; the kit works without it
-    from .threads import ThreadGroup, run_threads
+    from .threads import ThreadBackend, run_threads
 except ImportError:  # pragma: no cover - only before collectives.testing.threads exists
     pass
 else:
-    __all__ += ["ThreadGroup", "run_threads"]
+    __all__ += ["ThreadBackend", "run_threads"]

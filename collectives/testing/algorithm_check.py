@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from .. import settings
 from ..algorithms import Links
 from ..registry import available_backends
 from .execution import SENTINEL, CaseResult
@@ -43,7 +44,7 @@ from .workers import Task
 
 #: Comma-separated backend names that ``check_algorithm(backends=None)`` checks instead of
 #: every available one (a CI job that runs only some).
-BACKENDS_VARIABLE = "COLLECTIVES_CHECK_BACKENDS"
+BACKENDS_VARIABLE = settings.CHECK_BACKENDS.name
 #: Backends left out of the default list: aliases (``torch`` is gloo or nccl) and those
 #: whose point to point takes device memory, not host arrays.
 _NOT_BY_DEFAULT = ("torch", "nccl")
@@ -58,7 +59,7 @@ def default_backends() -> list[str]:
     """The backends :func:`check_algorithm` checks by default: ``COLLECTIVES_CHECK_BACKENDS``
     when set, otherwise every one :func:`collectives.available_backends` reports but
     ``torch`` (an alias of gloo or nccl) and ``nccl`` (device memory)."""
-    chosen = os.environ.get(BACKENDS_VARIABLE, "").strip()
+    chosen = (settings.CHECK_BACKENDS.get() or "").strip()
     if chosen:
         return [b.strip() for b in chosen.split(",") if b.strip()]
     return [b for b in available_backends() if b not in _NOT_BY_DEFAULT]

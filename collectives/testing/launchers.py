@@ -16,8 +16,10 @@ import multiprocessing.connection
 import os
 from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
+from .. import settings
+from ..mpiexec import MpiexecUnavailable
 from ..registry import P2P_ONLY_PREFIX
-from ..spawn import _Job, describe_exit
+from ..spawn import SpawnedJob, describe_exit
 from .workers import Task, _spawned_worker
 
 
@@ -47,7 +49,7 @@ class _SpawnedWorld:
     def __init__(self, procs: list, conns: list, job_id: str) -> None:
         self.procs, self.conns = procs, conns
         self.sentinels = [p.sentinel for p in procs]
-        self._job = _Job(procs, conns, job_id)
+        self._job = SpawnedJob(procs, conns, job_id)
 
     def exit_description(self, rank: int) -> str:
         p = self.procs[rank]
@@ -55,7 +57,7 @@ class _SpawnedWorld:
         code = p.exitcode
         if code is None:
             return "still running"
-        return describe_exit(code, os.environ.get("COLLECTIVES_BACKEND"))
+        return describe_exit(code, settings.BACKEND.get())
 
     def alive(self) -> list[int]:
         return [p.pid for p in self.procs if p.is_alive()]
@@ -72,7 +74,7 @@ def spawn_launcher(envs: list[dict[str, str]], initializer: Optional[Task] = Non
     process (``PR_SET_PDEATHSIG``)."""
     ctx = multiprocessing.get_context(start_method)
     procs, conns = [], []
-    job_id = envs[0].get("COLLECTIVES_JOB_ID", "") if envs else ""
+    job_id = envs[0].get(settings.JOB_ID.name, "") if envs else ""
     try:
         for env in envs:
             ours, theirs = ctx.Pipe(duplex=True)
@@ -83,7 +85,7 @@ def spawn_launcher(envs: list[dict[str, str]], initializer: Optional[Task] = Non
             procs.append(p)
             conns.append(ours)
     except BaseException:
-        _Job(procs, conns, job_id).stop()
+        SpawnedJob(procs, conns, job_id).stop()
         raise
     return _SpawnedWorld(procs, conns, job_id)
 
@@ -109,7 +111,10 @@ def mpiexec() -> Launcher:
     """:func:`collectives.testing.mpi_launch.mpiexec_launcher`, or
     :class:`LauncherUnavailable` (with the reason) where it cannot run here."""
     from .mpi_launch import mpiexec_launcher, mpiexec_program
-    mpiexec_program()
+    try:
+        mpiexec_program()
+    except MpiexecUnavailable as exc:
+        raise LauncherUnavailable(f"the mpi backend {exc}") from None
     return mpiexec_launcher
 
 

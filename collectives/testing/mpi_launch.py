@@ -12,7 +12,7 @@ initializer and the pool's ``sys.path`` (tasks travel pickled by name), and runs
 :func:`collectives.testing.pool.serve` on the connection, exactly as
 a spawned worker does on its pipe. So the conformance suite runs on ``mpi`` with no
 backend-specific test code; :func:`collectives.testing.pool.launcher_for` returns this
-launcher for ``mpi`` (``LauncherUnavailable`` when ``mpiexec`` or ``mpi4py`` is missing).
+launcher for ``mpi`` (``MpiexecUnavailable`` when ``mpiexec`` or ``mpi4py`` is missing).
 
 A worker that dies makes ``mpiexec`` stop the whole job (MPI's rule); the pool sees end of
 file on the connections and reports ``mpiexec``'s exit status and the end of its output.
@@ -43,27 +43,25 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from .. import settings
 from ..mpiexec import MpiexecUnavailable, find_mpiexec, own_session_dying_with_parent
 from ..spawn import describe_exit
-from .launchers import LauncherUnavailable
 from .workers import Task, serve
 
 #: Seconds to wait for every worker to connect back.
 _CONNECT_TIMEOUT = 60.0
 #: Seconds between SIGTERM and SIGKILL when stopping mpiexec.
 _TERMINATE_GRACE = 3.0
-_ADDR_VAR, _KEY_VAR = "COLLECTIVES_POOL_ADDRESS", "COLLECTIVES_POOL_AUTHKEY"
+_ADDR_VAR, _KEY_VAR = settings.POOL_ADDRESS.name, settings.POOL_AUTHKEY.name
 #: The repository root, so that workers import this checkout of the library.
 _ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def mpiexec_program() -> str:
     """The path of ``mpiexec`` (see :func:`collectives.mpiexec.find_mpiexec`);
-    :class:`LauncherUnavailable` if there is none or mpi4py is missing."""
-    try:
-        return find_mpiexec()
-    except MpiexecUnavailable as exc:
-        raise LauncherUnavailable(f"the mpi backend {exc}") from None
+    :class:`~collectives.mpiexec.MpiexecUnavailable` if there is none or mpi4py is
+    missing (``launchers.mpiexec`` turns it into ``LauncherUnavailable``)."""
+    return find_mpiexec()
 
 
 
@@ -206,7 +204,7 @@ def mpiexec_launcher(envs: list[dict[str, str]],
     # The job's own variables must come from the pool, not from a launcher around us.
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(name, None)
-    extra = shlex.split(os.environ.get("COLLECTIVES_MPIEXEC_ARGS", ""))
+    extra = settings.MPIEXEC_ARGS.get()
     command = [program, "-n", str(n), *extra, sys.executable, "-m", __name__]
     log = tempfile.NamedTemporaryFile("w+", prefix="collectives-mpiexec-", suffix=".log",
                                       delete=False)

@@ -30,6 +30,7 @@ import time
 import weakref
 from typing import Any, Optional, Sequence
 
+from .. import settings
 from ..errors import CollectiveError
 from ..shm_names import remove_job_segments
 from ..spawn import free_port
@@ -161,12 +162,12 @@ class WorldPool:
         self.job_id = secrets.token_hex(6)
         base = {"WORLD_SIZE": str(self.world_size), "LOCAL_WORLD_SIZE": str(self.world_size),
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-                "COLLECTIVES_JOB_ID": self.job_id, "COLLECTIVES_SPAWNED": "1",
-                "COLLECTIVES_BACKEND": self.backend, "COLLECTIVES_TIMEOUT": str(self.timeout),
-                "OMP_NUM_THREADS": "1",
+                settings.JOB_ID.name: self.job_id, settings.SPAWNED.name: "1",
+                settings.BACKEND.name: self.backend,
+                settings.TIMEOUT.name: str(self.timeout), "OMP_NUM_THREADS": "1",
                 # as collectives.spawn does: network backends authenticate with it (zmq
                 # would otherwise write a key file under the temp directory)
-                "COLLECTIVES_SECRET": secrets.token_hex(32), **self.env}
+                settings.SECRET.name: secrets.token_hex(32), **self.env}
         envs = [dict(base, RANK=str(r), LOCAL_RANK=str(r)) for r in range(self.world_size)]
         self._world = self.launcher(envs, self.initializer)
         self.starts += 1

@@ -1,8 +1,8 @@
 """An in-process world of threads: check a collective algorithm with no processes at all.
 
-Each rank is a :class:`ThreadGroup` (backend name ``"threads"``) running on its own
-thread; messages travel through in-memory mailboxes, one FIFO per (source, destination,
-tag). Sends are eager (the array is copied at once, so ``isend`` never blocks); a receive
+Each rank is a :class:`~collectives.ProcessGroup` over a :class:`ThreadBackend`
+(backend name ``"threads"``) running on its own thread; messages travel through
+in-memory mailboxes, one FIFO per (source, destination, tag). Sends are eager (the array is copied at once, so ``isend`` never blocks); a receive
 blocks on a condition variable with the group's timeout. Nothing is registered globally:
 build worlds with :func:`run_threads` (or :class:`ThreadWorld`).
 
@@ -33,9 +33,11 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ..algorithms.links import COLLECTIVE_TAG_BIT
+from ..backend import Backend
 from ..errors import (CollectiveError, CollectiveMismatch, CollectiveTimeout, PeerError,
                       add_note, where)
-from ..group import ProcessGroup, timeout_seconds
+from ..group import ProcessGroup
+from ..validation import timeout_seconds
 from ..work import CompletedWork, Work
 
 BACKEND = "threads"
@@ -64,7 +66,8 @@ class _Mailbox:
 class ThreadWorld:
     """The shared state of ``size`` thread ranks: mailboxes, a barrier, the first failure.
 
-    ``world.groups[r]`` is rank ``r``'s :class:`ThreadGroup`; hand each to its own thread.
+    ``world.groups[r]`` is rank ``r``'s :class:`~collectives.ProcessGroup` (over a
+    :class:`ThreadBackend`); hand each to its own thread.
     """
 
     def __init__(self, size: int, timeout: float = 30.0) -> None:
@@ -80,7 +83,9 @@ class ThreadWorld:
         self._arrived_lock = threading.Lock()
         self.failure: Optional[tuple[int, BaseException]] = None
         self._failure_lock = threading.Lock()
-        self.groups = [ThreadGroup(self, r) for r in range(size)]
+        #: Ranks that aborted their group: they left, every wait over them fails.
+        self.aborted: set[int] = set()
+        self.groups = [ProcessGroup(ThreadBackend(self, r)) for r in range(size)]
 
     # ------------------------------------------------------------------ mailboxes
     def _box(self, src: int, dst: int, tag: int) -> _Mailbox:
@@ -125,8 +130,28 @@ class ThreadWorld:
                 cond.notify_all()
         self._barrier.abort()
 
-    def _peer_error(self, rank: int, what: str) -> PeerError:
-        bad, exc = self.failure or (-1, CollectiveError("unknown"))
+    def abort(self, rank: int) -> None:
+        """Rank ``rank`` aborted its group: it left, and every wait over it ends."""
+        with self._failure_lock:
+            self.aborted.add(rank)
+        for cond in self._conds:
+            with cond:
+                cond.notify_all()
+        self._barrier.abort()
+
+    def _stopped(self, rank: int, src: int) -> bool:
+        """Whether a wait of ``rank`` for ``src`` must end (a failure, an abort)."""
+        return self.failure is not None or rank in self.aborted or src in self.aborted
+
+    def _peer_error(self, rank: int, what: str, src: int = -1) -> CollectiveError:
+        if rank in self.aborted:
+            return CollectiveError(f"{where(rank, self.size, what)}: this rank aborted its "
+                                   f"group")
+        if self.failure is None:
+            gone = src if src in self.aborted else min(self.aborted)
+            return PeerError(f"{where(rank, self.size, what)}: rank {gone} aborted its "
+                             f"group", peer=gone)
+        bad, exc = self.failure
         return PeerError(f"{where(rank, self.size, what)}: rank {bad} failed "
                          f"({type(exc).__name__}: {exc})", peer=bad)
 
@@ -153,14 +178,14 @@ class _RecvWork(Work):
         cond = world._conds[self._rank]
         with cond:
             box = world._box(self._src, self._rank, self._tag)
-            cond.wait_for(lambda: self._ticket in box.messages or world.failure is not None,
-                          limit)
+            cond.wait_for(lambda: self._ticket in box.messages
+                          or world._stopped(self._rank, self._src), limit)
             message = box.messages.pop(self._ticket, None)
             if not box.messages and box.posted == box.sent:   # every send was received
                 del world._boxes[self._rank][(self._src, self._tag)]
         if message is None:
-            if world.failure is not None:
-                raise world._peer_error(self._rank, self._what())
+            if world._stopped(self._rank, self._src):
+                raise world._peer_error(self._rank, self._what(), self._src)
             tag = self._tag
             raise CollectiveTimeout(
                 f"{where(self._rank, world.size, self._what())}: nothing arrived within "
@@ -181,26 +206,28 @@ class _RecvWork(Work):
             return True
         with self._world._conds[self._rank]:
             box = self._world._box(self._src, self._rank, self._tag)
-            return self._ticket in box.messages or self._world.failure is not None
+            return self._ticket in box.messages or self._world._stopped(self._rank, self._src)
 
 
-class ThreadGroup(ProcessGroup):
+class ThreadBackend(Backend):
     """One rank of a :class:`ThreadWorld`: point to point through in-memory mailboxes,
-    every collective through the base class's send/recv algorithms. ``group.world`` is
-    the shared :class:`ThreadWorld`."""
+    every collective through the send/recv algorithms (the Backend defaults) but the
+    barrier. ``backend.world`` is the shared :class:`ThreadWorld`."""
 
-    backend = BACKEND
+    name = BACKEND
 
     def __init__(self, world: ThreadWorld, rank: int) -> None:
-        super().__init__(rank, world.size, timeout=world.timeout)
+        super().__init__(rank, world.size, world.timeout)
         self.world = world
         self._world = world
 
-    def _isend(self, array: np.ndarray, dst: int, tag: int) -> Work:
+    def isend(self, array: np.ndarray, dst: int, tag: int) -> Work:
+        if self._world._stopped(self.rank, dst):
+            raise self._world._peer_error(self.rank, f"send to rank {dst}", dst)
         self._world.post(self.rank, dst, tag, np.array(array, copy=True))
         return CompletedWork()
 
-    def _irecv(self, array: np.ndarray, src: int, tag: int) -> Work:
+    def irecv(self, array: np.ndarray, src: int, tag: int) -> Work:
         world = self._world
         with world._conds[self.rank]:
             box = world._box(src, self.rank, tag)
@@ -208,19 +235,25 @@ class ThreadGroup(ProcessGroup):
             box.posted += 1
         return _RecvWork(world, self.rank, src, tag, ticket, array)
 
-    def _barrier(self, seq: int) -> None:
+    def close(self) -> None:
+        """Nothing to release: the mailboxes belong to the world."""
+
+    def abort(self) -> None:
+        self._world.abort(self.rank)
+
+    def barrier(self, seq: int) -> None:
         world = self._world
         with world._arrived_lock:
             world._arrived.setdefault(seq, set()).add(self.rank)
         try:
             world._barrier.wait(self.timeout)
         except threading.BrokenBarrierError:
-            if world.failure is not None:
+            if world.failure is not None or world.aborted:
                 raise world._peer_error(self.rank, f"barrier (seq {seq})") from None
             with world._arrived_lock:
                 missing = sorted(set(range(self.size)) - world._arrived.get(seq, set()))
             raise CollectiveTimeout(
-                f"{self._where('barrier')} (seq {seq}): not every rank arrived within "
+                f"{self.where('barrier')} (seq {seq}): not every rank arrived within "
                 f"{self.timeout:g} s; missing ranks {missing}",
                 op="barrier", seq=seq, missing=missing) from None
         with world._arrived_lock:   # every rank reached this one: forget earlier ones

@@ -18,7 +18,8 @@ import sys
 import traceback
 from typing import Any, Callable, Optional, Union
 
-from ..spawn import _die_with_parent
+from .. import settings
+from ..spawn import die_with_parent
 
 #: A function run on every rank as ``fn(group, *args)``: a module-level callable (pickled
 #: by name), a :class:`~collectives.testing.functions.FunctionRef`, or a
@@ -26,7 +27,7 @@ from ..spawn import _die_with_parent
 Task = Union[str, Callable[..., Any]]
 
 #: The environment variable naming the modules a worker imports before it joins.
-PRELOAD_VARIABLE = "COLLECTIVES_POOL_PRELOAD"
+PRELOAD_VARIABLE = settings.POOL_PRELOAD.name
 
 
 def _resolve(task: Task) -> Callable[..., Any]:
@@ -95,7 +96,7 @@ def serve(conn: multiprocessing.connection.Connection,
 
 def _spawned_worker(env: dict[str, str], conn: multiprocessing.connection.Connection,
                     initializer: Optional[Task]) -> None:
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the pool stops us; Ctrl-C is its job
     os.environ.update(env)
     serve(conn, initializer)

@@ -20,7 +20,9 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from ..group import timeout_seconds
+from .. import settings
+from ..group import ProcessGroup
+from ..validation import timeout_seconds
 from ..launch import Rendezvous
 from ..registry import P2P_ONLY_PREFIX, get_backend
 from ..spawn import free_port
@@ -62,7 +64,7 @@ def _transport(options: Any) -> str:
         raise TypeError(f"{where}: argument `pg_options` must be a "
                         f"collectives.torch_backend.Options, got {type(options).__name__}")
     name = (options.transport if options is not None else None) \
-        or os.environ.get("COLLECTIVES_BACKEND") or DEFAULT_TRANSPORT
+        or settings.BACKEND.get() or DEFAULT_TRANSPORT
     if not isinstance(name, str):
         raise TypeError(f"{where}: Options.transport must be a string, got "
                         f"{type(name).__name__}")
@@ -76,7 +78,7 @@ def _transport(options: Any) -> str:
 def _meet(store: Any, rank: int, size: int) -> Rendezvous:
     """Job id, host layout and a rendezvous port for our transport, through torch's store."""
     if rank == 0:
-        launcher_job = os.environ.get("COLLECTIVES_JOB_ID") or os.environ.get(
+        launcher_job = settings.JOB_ID.get() or os.environ.get(
             "TORCHELASTIC_RUN_ID") or "torch"
         store.set(_KEY + "job", f"{launcher_job}-{secrets.token_hex(6)}")
     host = socket.gethostname()
@@ -121,7 +123,7 @@ def create_backend(options: Any, backend_options: Any) -> ProcessGroupCollective
     rendezvous = _meet(options.store, options.group_rank, options.group_size)
     factory = get_backend(transport, where="init_process_group(backend='collectives')",
                           what="the transport")
-    adapter = ProcessGroupCollectives(factory(rendezvous, seconds), transport)
+    adapter = ProcessGroupCollectives(ProcessGroup(factory(rendezvous, seconds)), transport)
     if not ranks:
         _world = weakref.ref(adapter)
         adapter._on_shutdown.append(_forget_world)

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ..arguments import check_group, check_module, check_same_replicas
-from ..ddp import _collect, _graph_task_id, _replace
+from ..autograd_hooks import collect_outputs, graph_task_id, replace_outputs
 from . import checkpoint, state_dict
 from .flat_param import FlatParam, detach_parameters
 from .memory import FullParamMeter, optimizer_state_bytes, tensor_bytes
@@ -194,10 +194,10 @@ class FullyShardedDataParallel(nn.Module):
                 root.reshard()
             return out
         leaves: list = []
-        _collect(out, leaves)
+        collect_outputs(out, leaves)
         if not leaves:
             return out
-        return _replace(out, iter(_PreBackward.apply(self, None, self._forward_sync, *leaves)))
+        return replace_outputs(out, iter(_PreBackward.apply(self, None, self._forward_sync, *leaves)))
 
     def _make_pre_forward(self, unit: Unit):
         def hook(module: nn.Module, args: tuple, kwargs: dict):
@@ -215,10 +215,10 @@ class FullyShardedDataParallel(nn.Module):
             if not grad:
                 return output
             leaves: list = []
-            _collect(output, leaves)
+            collect_outputs(output, leaves)
             if not leaves:
                 return output
-            return _replace(output, iter(_PreBackward.apply(self, unit, self._forward_sync,
+            return replace_outputs(output, iter(_PreBackward.apply(self, unit, self._forward_sync,
                                                              *leaves)))
         return hook
 
@@ -236,7 +236,7 @@ class FullyShardedDataParallel(nn.Module):
 
     # ---------------------------------------------------------------------- backward
     def _pre_backward(self, unit: Optional[Unit], sync: bool) -> None:
-        task = _graph_task_id()
+        task = graph_task_id()
         if self._pass_sync is None or task != self._pass_task:
             self._begin_backward(sync, task)
         # The root's outputs (unit None) come first: its backward needs its parameters

@@ -3,8 +3,8 @@
 library), one request made at the persistent request's init and started every round.
 
 Where the library lacks them (``NotImplementedError`` from mpi4py, or an MPI-3
-library), :func:`persistent_call` returns None and the base class's default round (the
-backend's ``Iallreduce`` hook) is used instead: the same results, one MPI request per
+library), :func:`persistent_call` returns None and the group's default round (the
+backend's ``Iallreduce``) is used instead: the same results, one MPI request per
 round. See :mod:`collectives.persistent` for the contract, and its note on binding alike
 on every rank: a rank whose arguments are staged (or whose tensor moved) runs
 ``Iallreduce`` while its peers run the persistent request, which MPI does not match.
@@ -23,6 +23,9 @@ import numpy as np
 
 from collectives.reduce_op import ReduceOp
 
+from .library import byte_buffer, reduction
+from .work import MpiWork
+
 
 def persistent_call(group: Any, op: str, arrays: Sequence[np.ndarray],
                     reduce_op: Optional[ReduceOp]) -> Optional[Callable[[int], Any]]:
@@ -31,32 +34,30 @@ def persistent_call(group: Any, op: str, arrays: Sequence[np.ndarray],
     calls it at the same point (the request's init), as MPI requires."""
     from mpi4py import MPI
 
-    from .mpi import MpiWork, _bytes, _reduction
-
-    comm = group._comm
+    comm = group.comm
     if comm is None or not hasattr(comm, "Allreduce_init"):
         return None
     then = None
     try:
         if op == "all_reduce":
             a = arrays[0]
-            buf, mop = _reduction(a, reduce_op)
+            buf, mop = reduction(a, reduce_op)
             request = comm.Allreduce_init(MPI.IN_PLACE, buf, mop)
             then = group._avg(a, reduce_op)
         elif op == "all_gather":
             out, inp = arrays
-            request = comm.Allgather_init(_bytes(inp), _bytes(out))
+            request = comm.Allgather_init(byte_buffer(inp), byte_buffer(out))
         elif op == "reduce_scatter":
             out, inp = arrays
-            send, mop = _reduction(inp, reduce_op)
-            recv, _ = _reduction(out, reduce_op)
+            send, mop = reduction(inp, reduce_op)
+            recv, _ = reduction(out, reduce_op)
             request = comm.Reduce_scatter_block_init(send, recv, mop)
             then = group._avg(out, reduce_op)
         else:
             return None
     except NotImplementedError:  # mpi4py built against an MPI-3 library
         return None
-    requests = group.__dict__.setdefault("_persistent_requests", [])
+    requests = group.persistent_requests
     requests.append(request)
     keep = tuple(arrays)
 
@@ -81,7 +82,8 @@ def free_requests(group: Any) -> None:
     """Free the group's persistent requests (at close, before its communicator)."""
     from mpi4py import MPI
 
-    for request in group.__dict__.pop("_persistent_requests", ()):
+    requests, group.persistent_requests = group.persistent_requests, []
+    for request in requests:
         try:
             if request != MPI.REQUEST_NULL:
                 request.Free()

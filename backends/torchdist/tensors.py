@@ -4,10 +4,10 @@
 c10d takes flat tensors: a numpy array becomes a zero-copy ``torch.from_numpy`` view
 (bfloat16 through ``ml_dtypes``), and the data-moving collectives carry every dtype as a
 uint8 view of the same memory. Reductions take c10d's ``ReduceOp`` (AVG runs as SUM, the
-group divides after) and ``int16`` is reduced in ``int32`` (``_WIDEN``). c10d's send/recv
+group divides after) and ``int16`` is reduced in ``int32`` (``WIDEN``). c10d's send/recv
 tags are a C ``int``, so the 63-bit tags of this library are folded into [2**30, 2**31)
-(``_wire_tag``). The memory span of an argument (``_span``) and whether two operations'
-spans conflict (``_conflict``) let :class:`~backends.torchdist.TorchGroup` order async
+(``wire_tag``). The memory span of an argument (``span_of``) and whether two operations'
+spans conflict (``conflict``) let :class:`~backends.torchdist.TorchGroup` order async
 operations that share memory. Kept apart from the groups: tables and plain functions of
 tensors and arrays, with no group state.
 """
@@ -30,23 +30,23 @@ try:
 except ImportError:  # numpy < 2
     _byte_bounds = np.byte_bounds
 
-_C10D_OP = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVG: dist.ReduceOp.SUM,
+C10D_OP = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVG: dist.ReduceOp.SUM,
             ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT, ReduceOp.MIN: dist.ReduceOp.MIN,
             ReduceOp.MAX: dist.ReduceOp.MAX}
 
 #: The torch dtypes of ``collectives.buffers.SUPPORTED_DTYPES``.
-_TORCH_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64,
+TORCH_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64,
                            torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64,
                            torch.bool))
 
 #: Dtypes neither gloo nor NCCL reduces, and the dtype they are reduced in instead.
-_WIDEN = {torch.int16: torch.int32}
+WIDEN = {torch.int16: torch.int32}
 
 _MAX_C10D_TAG = 1 << 31
 _FOLDED_TAG_BASE = 1 << 30
 
 
-def _options(cls: Any, **fields: Any) -> Any:
+def c10d_options(cls: Any, **fields: Any) -> Any:
     opts = cls()
     for name, value in fields.items():
         setattr(opts, name, value)
@@ -54,14 +54,14 @@ def _options(cls: Any, **fields: Any) -> Any:
 
 
 # Options objects are copied by c10d on every call; build the constant ones once.
-_ALLREDUCE_OPTS = {op: _options(dist.AllreduceOptions, reduceOp=c) for op, c in _C10D_OP.items()}
-_REDUCE_SCATTER_OPTS = {op: _options(dist.ReduceScatterOptions, reduceOp=c)
-                        for op, c in _C10D_OP.items()}
-_ALLTOALL_OPTS = dist.AllToAllOptions()
-_BARRIER_OPTS = dist.BarrierOptions()
+ALLREDUCE_OPTS = {op: c10d_options(dist.AllreduceOptions, reduceOp=c) for op, c in C10D_OP.items()}
+REDUCE_SCATTER_OPTS = {op: c10d_options(dist.ReduceScatterOptions, reduceOp=c)
+                        for op, c in C10D_OP.items()}
+ALLTOALL_OPTS = dist.AllToAllOptions()
+BARRIER_OPTS = dist.BarrierOptions()
 
 
-def _tensor(a: Any) -> torch.Tensor:
+def as_tensor(a: Any) -> torch.Tensor:
     """``a`` as a flat torch tensor sharing its memory (a numpy array or a tensor)."""
     if isinstance(a, torch.Tensor):
         return a if a.dim() == 1 else a.reshape(-1)
@@ -70,7 +70,7 @@ def _tensor(a: Any) -> torch.Tensor:
     return _from_numpy(a).reshape(-1)
 
 
-def _numpy(t: torch.Tensor) -> np.ndarray:
+def as_numpy(t: torch.Tensor) -> np.ndarray:
     """The numpy view of a CPU tensor (bfloat16 as ``ml_dtypes.bfloat16``)."""
     if t.dtype == torch.bfloat16:
         return t.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
@@ -87,7 +87,7 @@ def _from_numpy(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a)
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A uint8 view: data-moving collectives carry every dtype as raw bytes."""
     if t.dtype == torch.uint8:
         return t
@@ -97,7 +97,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-def _span(obj: Any, write: bool) -> tuple:
+def span_of(obj: Any, write: bool) -> tuple:
     """(device, first byte, end, written) of the memory an argument occupies."""
     if isinstance(obj, np.ndarray):
         lo, hi = _byte_bounds(obj) if obj.size else (0, 0)
@@ -109,19 +109,19 @@ def _span(obj: Any, write: bool) -> tuple:
     return (str(obj.device), lo, lo + (last + 1) * obj.element_size(), write)
 
 
-def _conflict(a: list, b: list) -> bool:
+def conflict(a: list, b: list) -> bool:
     """Whether two operations' memory overlaps where at least one of them writes."""
     return any(da == db and la < hb and lb < ha and (wa or wb)
                for da, la, ha, wa in a for db, lb, hb, wb in b)
 
 
-def _parts(t: torch.Tensor, n: int) -> list[torch.Tensor]:
+def parts_of(t: torch.Tensor, n: int) -> list[torch.Tensor]:
     """``t`` cut into ``n`` equal consecutive views."""
     k = t.numel() // n
     return [t.narrow(0, r * k, k) for r in range(n)]
 
 
-def _wire_tag(tag: int) -> int:
+def wire_tag(tag: int) -> int:
     """A c10d tag (a C int) for a tag of this library (below 2**63)."""
     if tag < _MAX_C10D_TAG:
         return tag

@@ -1,38 +1,18 @@
 """The Work of a torch backend's operation (:class:`TorchWork`): torch's work objects,
-waited for in slices so that a peer's death on this host ends the wait, plus what
-remains to do once they finished.
+waited for in slices so that a peer's death on this host (or an abort) ends the wait
+(:class:`~backends.torchdist.failures.Failures`), plus what remains to do once they
+finished.
 """
 
 from __future__ import annotations
 
-import datetime
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from collectives.buffers import HostBuffer
-from collectives.errors import CollectiveTimeout
+from collectives.errors import CollectiveError, CollectiveTimeout
 from collectives.work import Work
-
-if TYPE_CHECKING:
-    from .torchdist import TorchGroup
-
-#: How often a blocking wait on gloo looks for peers that died on this host: gloo tells
-#: only the ranks connected to the dead one in the current operation; the others would
-#: wait for the whole group timeout.
-_WATCH_INTERVAL = datetime.timedelta(seconds=0.5)
-
-
-def _is_watch_timeout(exc: RuntimeError) -> bool:
-    """Whether ``exc`` is the end of one ``wait(_WATCH_INTERVAL)`` slice, not a real error.
-
-    gloo words it per op: a collective's work says "Operation timed out!", a send or a
-    receive "Timed out waiting 500ms for recv operation to complete" (torch 2.13), with
-    the slice's length in milliseconds; the group timeout names its own, longer, length.
-    """
-    text = str(exc)
-    return ("Operation timed out!" in text
-            or f"Timed out waiting {round(_WATCH_INTERVAL.total_seconds() * 1000)}ms" in text)
 
 
 class TorchWork(Work):
@@ -48,7 +28,7 @@ class TorchWork(Work):
     by one plain ``wait()``, on a thread of its own once somebody polls it.
     """
 
-    def __init__(self, group: "TorchGroup", op: str, seq: int, works: Sequence[Any],
+    def __init__(self, group: Any, op: str, seq: int, works: Sequence[Any],
                  thens: Sequence[Callable[[], None]] = (),
                  buffers: Sequence[HostBuffer] = (), keep: Sequence[Any] = (),
                  peer: int = -1) -> None:
@@ -95,17 +75,20 @@ class TorchWork(Work):
                 waiter.join(timeout)
                 if waiter.is_alive():
                     raise CollectiveTimeout(
-                        f"{self._group._describe(self._op, self._seq)}: still running "
+                        f"{self._group.describe_call(self._op, self._seq)}: still running "
                         f"after Work.wait(timeout={timeout})", op=self._op, seq=self._seq,
                         missing=(self._peer,))
             return
         deadline = time.monotonic() + timeout
         delay = 20e-6
         while not all(w.is_completed() for w in self._works):
+            if self._group.aborted:
+                raise CollectiveError(f"{self._group.describe_call(self._op, self._seq)}: "
+                                      f"the group was aborted")
             now = time.monotonic()
             if now >= deadline:
                 raise CollectiveTimeout(
-                    f"{self._group._describe(self._op, self._seq)}: still running after "
+                    f"{self._group.describe_call(self._op, self._seq)}: still running after "
                     f"Work.wait(timeout={timeout})", op=self._op, seq=self._seq,
                     missing=(self._peer,) if self._peer >= 0 else ())
             time.sleep(min(delay, deadline - now))
@@ -117,19 +100,22 @@ class TorchWork(Work):
                 return
             try:
                 for w in self._works:
-                    self._group._wait(w, self._op, self._seq, self._peer)
+                    self._group.failures.wait(w, self._op, self._seq, self._peer)
                 for then in self._thens:
                     then()
                 for b in self._buffers:
                     b.commit()
             except RuntimeError as exc:
-                self._error = self._group._translate(exc, self._op, self._seq, self._peer)
+                self._error = self._group.failures.translate(exc, self._op, self._seq,
+                                                            self._peer)
+            except CollectiveError as exc:   # (an abort, or a dead peer: already ours)
+                self._error = exc
             finally:
                 self._finished = True
                 # Drop torch's work objects (and the tensors they hold) here, in a
                 # Python thread, never last in one of gloo's threads.
                 self._works, self._thens, self._buffers, self._keep = [], [], [], []
                 self._spans = []
-                self._group._untrack(self)
+                self._group.inflight.discard(self)
 
 

@@ -1,13 +1,13 @@
 """The ``nccl`` backend, and ``torch``, which picks ``nccl`` or ``gloo``.
 
-:class:`NcclGroup` is :class:`~backends.torchdist.TorchGroup` (rendezvous, stores, sub-groups,
+:class:`NcclBackend` is :class:`~backends.torchdist.TorchBackend` (rendezvous, stores, sub-groups,
 collectives, errors, shutdown) over a c10d ``ProcessGroupNCCL`` on ``cuda:LOCAL_RANK``
 instead of gloo; it only overrides what NCCL needs. Registry names: ``nccl``
 (:func:`create_nccl`) and ``torch`` (:func:`create_auto`: ``nccl`` where CUDA and NCCL are
-usable, ``gloo`` otherwise), registered as ``backends.torch_nccl:create_nccl`` and
-``backends.torch_nccl:create_auto``.
+usable, ``gloo`` otherwise), registered as ``backends.torchdist.nccl:create_nccl`` and
+``backends.torchdist.nccl:create_auto``.
 
-NCCL tensors stay on the device: :meth:`NcclGroup._to_host` hands the hooks CUDA tensors
+NCCL tensors stay on the device: :meth:`NcclBackend.stage` hands the collectives CUDA tensors
 (staging host or other-device arguments through ``cuda:LOCAL_RANK``), and waits block the
 host (``TORCH_NCCL_BLOCKING_WAIT=1`` unless set) so ``Work.wait`` re-raises errors.
 NCCL ignores send/recv tags: messages between a pair match in posting order.
@@ -22,30 +22,32 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from collectives.backend import Capabilities
 from collectives.buffers import HostBuffer, to_host
 from collectives.errors import where as _where
 from collectives.launch import Rendezvous
 from collectives.reduce_op import ReduceOp
 
-from .torch_tensors import _ALLREDUCE_OPTS, _TORCH_DTYPES, _tensor
-from .torch_work import TorchWork
-from .torchdist import TorchGroup, create_gloo
+from .tensors import ALLREDUCE_OPTS, TORCH_DTYPES, as_tensor
+from .work import TorchWork
+from .backend import TorchBackend, create_gloo
 
-__all__ = ["NcclGroup", "create_nccl", "create_auto"]
+__all__ = ["NcclBackend", "create_nccl", "create_auto"]
 
 
-class NcclGroup(TorchGroup):
+class NcclBackend(TorchBackend):
     """A ProcessGroup over a c10d ``ProcessGroupNCCL`` on ``cuda:LOCAL_RANK``.
 
-    The hooks receive CUDA tensors on this group's device (see :meth:`_to_host`), so CUDA
+    The collective methods receive CUDA tensors on this device (see :meth:`stage`), so CUDA
     tensors go to NCCL without a trip through host memory. CPU tensors and numpy arrays are
     accepted too, staged through the device.
     """
 
-    backend = "nccl"
+    name = "nccl"
+    capabilities = Capabilities(memory="device", returns_work=True, translates_errors=True)
     #: NCCL's reduce-scatter moves (n-1)/n of the data all_reduce does, and its waits
     #: are not watched (see `_exchange_pids`).
-    _native_reduce_scatter = True
+    native_reduce_scatter = True
 
     def __init__(self, rank: int, size: int, *, timeout: float, c10d: Any, store: Any,
                  prefix: str, device: torch.device) -> None:
@@ -61,7 +63,7 @@ class NcclGroup(TorchGroup):
         return dist.ProcessGroupNCCL(store, rank, size, opts)
 
     @classmethod
-    def _connect(cls, rendezvous: Rendezvous, timeout: float, **extra: Any) -> "TorchGroup":
+    def _connect(cls, rendezvous: Rendezvous, timeout: float, **extra: Any) -> "TorchBackend":
         if not _nccl_usable():
             where = _where(rendezvous.rank, rendezvous.world_size, "init_process_group")
             raise RuntimeError(f"{where}: backend 'nccl' needs CUDA and a torch build with "
@@ -75,12 +77,12 @@ class NcclGroup(TorchGroup):
     def _sub_group_extra(self) -> dict:
         return {"device": self.device}
 
-    def _to_host(self, obj: Any, *, where: str, arg: str, write: bool) -> HostBuffer:
+    def stage(self, obj: Any, *, where: str, arg: str, write: bool) -> HostBuffer:
         """Device memory on ``self.device`` for argument ``arg``: the tensor itself when it
         is a contiguous CUDA tensor there, otherwise a device copy written back after the
         operation when ``write``."""
         if isinstance(obj, torch.Tensor) and obj.device.type == "cuda":
-            if obj.dtype not in _TORCH_DTYPES:
+            if obj.dtype not in TORCH_DTYPES:
                 raise TypeError(f"{where}: argument `{arg}` has unsupported dtype {obj.dtype}")
             src = obj.detach()
             if src.device == self.device and src.is_contiguous() and not src.is_neg() \
@@ -90,26 +92,26 @@ class NcclGroup(TorchGroup):
             staged.copy_(src)
             return HostBuffer(staged, (lambda d: src.copy_(d)) if write else None)
         host = to_host(obj, where=where, arg=arg, write=write)  # checks; host staging
-        staged = _tensor(host.array).to(self.device).reshape(host.array.shape)
+        staged = as_tensor(host.array).to(self.device).reshape(host.array.shape)
 
         def writeback(d: torch.Tensor, host: HostBuffer = host) -> None:
-            _tensor(host.array).copy_(d.reshape(-1))  # device -> host, synchronous
+            as_tensor(host.array).copy_(d.reshape(-1))  # device -> host, synchronous
             host.commit()
 
         return HostBuffer(staged, writeback if write else None)
 
-    def _barrier(self, seq: int) -> TorchWork:
+    def barrier(self, seq: int) -> TorchWork:
         t = torch.zeros(1, device=self.device)
-        return self._issue(self._c10d("barrier").allreduce([t], _ALLREDUCE_OPTS[ReduceOp.SUM]),
+        return self._issue(self._c10d("barrier").allreduce([t], ALLREDUCE_OPTS[ReduceOp.SUM]),
                            "barrier", seq, keep=[t])
 
 
-def create_nccl(rendezvous: Rendezvous, timeout: float) -> TorchGroup:
+def create_nccl(rendezvous: Rendezvous, timeout: float) -> TorchBackend:
     """The world group over NCCL on ``cuda:LOCAL_RANK`` (registry name ``nccl``)."""
-    return NcclGroup._connect(rendezvous, timeout)
+    return NcclBackend._connect(rendezvous, timeout)
 
 
-def create_auto(rendezvous: Rendezvous, timeout: float) -> TorchGroup:
+def create_auto(rendezvous: Rendezvous, timeout: float) -> TorchBackend:
     """``nccl`` where CUDA and NCCL are usable here, otherwise ``gloo`` (name ``torch``)."""
     return create_nccl(rendezvous, timeout) if _nccl_usable() else create_gloo(rendezvous, timeout)
 

@@ -1,10 +1,10 @@
 """Where the ranks of a torch backend meet: the c10d store of ``MASTER_ADDR:MASTER_PORT``,
 shared by every group of this process on that port and released when the last one
-closes (:class:`_Meeting`, with the open/close handshake that keeps rank 0's server from
+closes (:class:`Meeting`, with the open/close handshake that keeps rank 0's server from
 going away under a rank that still needs it).
 
-Used by :mod:`backends.torchdist`: ``_world_store(rendezvous, timeout)`` gives a new
-world its store and key prefix; ``_construct`` builds a c10d object with this library's
+Used by :mod:`backends.torchdist`: ``world_store(rendezvous, timeout)`` gives a new
+world its store and key prefix; ``construct`` builds a c10d object with this library's
 errors.
 """
 
@@ -27,11 +27,11 @@ from collectives.launch import Rendezvous
 #: The store of each meeting point this process uses (shared by the groups on it), and
 #: how many worlds this process opened there (the next world's key prefix; kept when the
 #: store is released, so that a later world there never meets stale keys).
-_STORES: dict[tuple, "_Meeting"] = {}
+_STORES: dict[tuple, "Meeting"] = {}
 _WORLD_COUNTS: dict[tuple, int] = {}
 _STORES_LOCK = threading.RLock()
 
-#: Keys of the open/close handshake of rank 0's server (see `_Meeting`), per world index.
+#: Keys of the open/close handshake of rank 0's server (see `Meeting`), per world index.
 _OPEN_KEY = "collectives/meeting/open/"
 _CLOSED_KEY = "collectives/meeting/closed/"
 #: How long rank 0, at its last close, waits for the other ranks' reports that they
@@ -40,7 +40,7 @@ _CLOSED_KEY = "collectives/meeting/closed/"
 _CLOSE_WAIT_S = 5.0
 
 
-class _Meeting:
+class Meeting:
     """One c10d store of a meeting point, counted: every group on it (a world and its
     sub-groups) holds one reference, and the store is released when the last one closes,
     so a process that meets at many ports keeps no socket or thread for the closed ones.
@@ -109,7 +109,7 @@ class _Meeting:
         self.store = None  # the server (or client) goes with the last reference
 
 
-def _world_store(rendezvous: Rendezvous, timeout: float) -> tuple[_Meeting, str]:
+def world_store(rendezvous: Rendezvous, timeout: float) -> tuple[Meeting, str]:
     """The store of ``rendezvous``'s meeting point (one reference taken for the caller's
     world) and the key prefix of that world."""
     rank, size = rendezvous.rank, rendezvous.world_size
@@ -127,7 +127,7 @@ def _world_store(rendezvous: Rendezvous, timeout: float) -> tuple[_Meeting, str]
         if meeting is None:
             meeting = _STORES[key] = _open_store(key, rendezvous, timeout, count)
         elif meeting.serving and meeting.handshake:
-            _construct(lambda: meeting.store.set(f"{_OPEN_KEY}{count}", "1"),
+            construct(lambda: meeting.store.set(f"{_OPEN_KEY}{count}", "1"),
                        _where(rank, size, "init_process_group"), timeout)
         meeting.acquire()
         meeting.world, meeting.world_size = count, size
@@ -136,11 +136,11 @@ def _world_store(rendezvous: Rendezvous, timeout: float) -> tuple[_Meeting, str]
     return meeting, f"collectives/{restart}/world{count}/"
 
 
-def _open_store(key: tuple, rendezvous: Rendezvous, timeout: float, world: int) -> _Meeting:
+def _open_store(key: tuple, rendezvous: Rendezvous, timeout: float, world: int) -> Meeting:
     """Connect to (or serve) the store of meeting point ``key`` for world number
-    ``world`` there (see `_Meeting` for the open/close handshake)."""
+    ``world`` there (see `Meeting` for the open/close handshake)."""
     if key[0] == "hash":
-        return _Meeting(key, dist.HashStore(), serving=False, handshake=False)
+        return Meeting(key, dist.HashStore(), serving=False, handshake=False)
     addr, port = key
     # Under torchrun the agent serves MASTER_PORT already: everyone is a client then
     # (collectives.spawn run inside a torchrun worker picks a port of its own).
@@ -153,17 +153,17 @@ def _open_store(key: tuple, rendezvous: Rendezvous, timeout: float, world: int) 
     what = f"{where}: store at {addr}:{port} ({'serving' if serve else 'client'})"
 
     def connect(seconds: float) -> Any:
-        return _construct(lambda: dist.TCPStore(
+        return construct(lambda: dist.TCPStore(
             addr, port, rendezvous.world_size, is_master=serve,
             timeout=datetime.timedelta(seconds=seconds), wait_for_workers=False,
             multi_tenant=serve), what, seconds)
 
     if agent:  # the agent's server lives as long as the job: no handshake
-        return _Meeting(key, connect(timeout), serving=False, handshake=False)
+        return Meeting(key, connect(timeout), serving=False, handshake=False)
     if serve:
         store = connect(timeout)
-        _construct(lambda: store.set(f"{_OPEN_KEY}{world}", "1"), what, timeout)
-        return _Meeting(key, store, serving=True, handshake=True)
+        construct(lambda: store.set(f"{_OPEN_KEY}{world}", "1"), what, timeout)
+        return Meeting(key, store, serving=True, handshake=True)
     deadline = time.monotonic() + timeout
     while True:
         remaining = max(0.001, deadline - time.monotonic())
@@ -181,12 +181,12 @@ def _open_store(key: tuple, rendezvous: Rendezvous, timeout: float, world: int) 
                     raise RuntimeError(f"no {opened} on the server")
                 time.sleep(0.002)
             store.set_timeout(datetime.timedelta(seconds=timeout))
-            return _Meeting(key, store, serving=False, handshake=True)
+            return Meeting(key, store, serving=False, handshake=True)
         except RuntimeError as exc:
             del store  # rank 0's server of the previous world stopped under us
             if time.monotonic() >= deadline:
                 raise CollectiveTimeout(f"{what}: rank 0 did not open world {world} at this "
-                                        f"port within {timeout:g} s ({_first_line(exc)})",
+                                        f"port within {timeout:g} s ({first_line(exc)})",
                                         op="init", missing=[0]) from exc
             # A server on its way out takes some milliseconds to go: each request that
             # reaches it meanwhile makes torch print a warning, so do not hammer it.
@@ -197,12 +197,12 @@ class _OldServer(RuntimeError):
     """The store a joining rank reached is the last world's, which is going away."""
 
 
-def _construct(make: Callable[[], Any], where: str, timeout: float) -> Any:
+def construct(make: Callable[[], Any], where: str, timeout: float) -> Any:
     """Build a c10d object, turning connection failures into this library's errors."""
     try:
         return make()
     except RuntimeError as exc:
-        detail = _first_line(exc)
+        detail = first_line(exc)
         if "timed out" in detail.lower() or "timeout" in detail.lower():
             raise CollectiveTimeout(f"{where}: not every rank arrived within {timeout:g} s "
                                     f"({detail})", op="init") from exc
@@ -210,7 +210,7 @@ def _construct(make: Callable[[], Any], where: str, timeout: float) -> Any:
 
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     line = text.splitlines()[0] if text else type(exc).__name__
     # gloo prefixes its messages with the C++ source location.

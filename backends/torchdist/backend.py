@@ -14,7 +14,7 @@ picks a free port); under torchrun, whose agent already serves that port
 client. Keys live under ``collectives/<restart>/world<k>/``, ``k`` counting the worlds this
 process opened on that store, and a sub-group's under its parent's prefix plus its members
 and instance number. A store is released when the last group on it closes
-(``_Meeting``, :mod:`backends.torch_meeting`: rank 0 stops its server once the other
+(``Meeting``, :mod:`backends.torchdist.meeting`: rank 0 stops its server once the other
 ranks reported their close, and a rank joining the next world at the same port makes
 sure it reached the server of that world). A gloo
 group is returned only after a barrier over it, so that no rank can close it (or exit)
@@ -22,7 +22,7 @@ while a peer is still finishing its handshake.
 
 Every collective is torch's own (``allreduce``, ``_allgather_base``, ``alltoall_base``,
 ...) on the caller's memory: a contiguous CPU tensor goes to c10d as it is
-(``TorchGroup._to_host``), a numpy array as a zero-copy ``torch.from_numpy`` view, the
+(``TorchBackend.stage``), a numpy array as a zero-copy ``torch.from_numpy`` view, the
 rest staged by the base class. gloo runs operations on two worker threads, as torch
 configures it; an operation whose memory overlaps that of an async operation still in
 flight (one of them writing) first waits for it, so two async all_reduces of one tensor
@@ -39,14 +39,17 @@ buckets) overlap. Where the library lacks something, a small correct step fills 
 - gloo's ``reduce`` uses the non-root inputs as scratch, so non-root ranks pass a copy.
 - ``reduce_scatter`` on gloo is ``allreduce`` of a copy and a slice (gloo's own
   reduce-scatter work cannot be waited for with a timeout: see
-  ``TorchGroup._native_reduce_scatter``); NCCL's is ``_reduce_scatter_base``, falling back
+  ``TorchBackend.native_reduce_scatter``); NCCL's is ``_reduce_scatter_base``, falling back
   to the same when the build has none.
 - send/recv tags: c10d takes a C ``int``; user tags (< 2**31) pass unchanged, the 63-bit
   tags of the library's send/recv algorithms (``p2p:gloo``) are folded into
   [2**30, 2**31), so only those runs share tags with user tags above 2**30.
 
 ``async_op=True`` returns a :class:`TorchWork` around torch's work object (no extra
-thread). Staged results (non-contiguous or CUDA tensors on gloo, AVG's division, int16's
+thread). ``abort()`` aborts torch's group (``ProcessGroup.abort``: gloo's and NCCL's own),
+which ends the operations in flight with an error, and ends the waits that slice (gloo's
+collectives look at the flag every half second); the c10d group is then kept to the
+end of the process (its threads may still be stuck on a peer), the store released. Staged results (non-contiguous or CUDA tensors on gloo, AVG's division, int16's
 narrowing) are written when the work is seen to complete: ``wait()``,
 ``is_completed()`` returning True, or ``close()``.
 
@@ -57,10 +60,11 @@ interpreter finalises: a gloo worker that drops the last reference to a tensor v
 numpy array must take the GIL, and doing that during finalisation aborts the process
 ("terminate called without an active exception", about 1 run in 10 on torch 2.13 CPU).
 
-The NCCL group and the ``nccl`` and ``torch`` factories are in :mod:`backends.torch_nccl`;
-the conversion of arguments to tensors, byte views, c10d options and tags in
-:mod:`backends.torch_tensors`; the failure diagnosis (a member on this host that died, the
-ranks that never arrived) in :mod:`backends.torch_failures`.
+The NCCL backend and the ``nccl`` and ``torch`` factories are in
+:mod:`backends.torchdist.nccl`; the conversion of arguments to tensors, byte views, c10d
+options and tags in :mod:`backends.torchdist.tensors`; the failure diagnosis (a member on
+this host that died, the ranks that never arrived) in :mod:`backends.torchdist.failures`;
+the store every group of a job meets through in :mod:`backends.torchdist.meeting`.
 """
 
 from __future__ import annotations
@@ -74,29 +78,30 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from collectives.backend import Backend, Capabilities
 from collectives.buffers import HostBuffer, to_host
 from collectives.errors import CollectiveError, CollectiveTimeout
 from collectives.errors import where as _where
-from collectives.group import ProcessGroup
-from collectives.lifetime import close_at_exit, forget_at_exit
 from collectives.launch import Rendezvous
+from collectives.lifetime import close_at_exit, forget_at_exit
+from collectives.paths import PathTable
 from collectives.reduce_op import ReduceOp, finish
-from collectives.work import Work
+from collectives.work import InFlight, Work
 
-from .torch_failures import _FailureDiagnosis, _keep_forever, _unsupported
-from .torch_meeting import _construct, _Meeting, _world_store
-from .torch_tensors import (_ALLREDUCE_OPTS, _ALLTOALL_OPTS, _BARRIER_OPTS, _C10D_OP,
-                            _REDUCE_SCATTER_OPTS, _TORCH_DTYPES, _WIDEN, _bytes, _conflict,
-                            _numpy, _options, _parts, _span, _tensor, _wire_tag)
-from .torch_work import TorchWork
+from .failures import Failures, keep_forever, unsupported
+from .meeting import construct, Meeting, world_store
+from .tensors import (ALLREDUCE_OPTS, ALLTOALL_OPTS, BARRIER_OPTS, C10D_OP,
+                            REDUCE_SCATTER_OPTS, TORCH_DTYPES, WIDEN, as_bytes, conflict,
+                            as_numpy, c10d_options, parts_of, span_of, as_tensor, wire_tag)
+from .work import TorchWork
 
-__all__ = ["TorchGroup", "TorchWork", "create_gloo"]
+__all__ = ["TorchBackend", "TorchWork", "create_gloo"]
 
 
 # ----------------------------------------------------------------------------- groups
-class TorchGroup(_FailureDiagnosis, ProcessGroup):
-    """A ProcessGroup over a c10d ``ProcessGroupGloo`` (and base of
-    :class:`backends.torch_nccl.NcclGroup`).
+class TorchBackend(Backend):
+    """A Backend over a c10d ``ProcessGroupGloo`` (and base of
+    :class:`backends.torchdist.nccl.NcclBackend`).
 
     Two ranks, from ``collectives.spawn(main, 2, backend="gloo")`` or
     ``torchrun --nproc-per-node 2 script.py``::
@@ -109,28 +114,35 @@ class TorchGroup(_FailureDiagnosis, ProcessGroup):
         pg.close()
     """
 
-    backend = "gloo"
-    hooks_return_work = True  # every hook starts torch's asynchronous c10d call
+    name = "gloo"
+    # Every collective method starts torch's asynchronous c10d call and returns its Work;
+    # contiguous CPU tensors go to c10d as they are (``stage``).
+    capabilities = Capabilities(memory="tensors", returns_work=True, translates_errors=True)
     #: Use c10d's ``_reduce_scatter_base``; False (or a build without it) runs
     #: all_reduce of a copy and keeps this rank's slice. False on gloo: its
     #: ``_reduce_scatter_base`` (and list ``reduce_scatter``) work ignores
     #: ``wait(timeout)`` and reports ``is_completed()`` only after a plain ``wait()``, so
-    #: neither the dead-peer watch of `_wait` nor ``Work.is_completed()``/
+    #: neither the dead-peer watch of ``Failures.wait`` nor ``Work.is_completed()``/
     #: ``wait(timeout)`` could see it finish. gloo's all_reduce work can be watched, and
     #: costs the same here (2 and 4 ranks, 4 KiB and 4 MiB per rank: within 10 % of
     #: ``_reduce_scatter_base``, either way round).
-    _native_reduce_scatter = False
+    native_reduce_scatter = False
 
     def __init__(self, rank: int, size: int, *, timeout: float, c10d: Any,
-                 store: "_Meeting", prefix: str) -> None:
-        super().__init__(rank, size, timeout=timeout)
+                 store: "Meeting", prefix: str) -> None:
+        super().__init__(rank, size, timeout)
         self._pg = c10d
-        self._meeting: Optional[_Meeting] = store  # released (once) by _close
-        self._store = store.store
+        self._meeting: Optional[Meeting] = store  # released (once) by close
+        #: torch's store of this job (None once closed).
+        self.store = store.store
         self._prefix = prefix
         self._tls = threading.local()
-        #: Group rank -> process id, for the ranks on this host (see `_dead_peers`).
-        self._local_pids: dict[int, int] = self._exchange_pids()
+        #: Set by abort(): the waits that slice end at their next look.
+        self.aborted = False
+        self.inflight = InFlight()
+        #: Collectives entered so far.
+        self.entered = 0
+        self.failures = Failures(self, prefix)
         close_at_exit(self)  # only now: a failed constructor's caller releases the store
 
     # ------------------------------------------------------------------ construction
@@ -145,16 +157,16 @@ class TorchGroup(_FailureDiagnosis, ProcessGroup):
         # peer may still be finishing its handshake, and a rank that closes the group (or
         # exits) at once makes that peer fail with "Connection closed by peer". After a
         # barrier every rank is connected.
-        pg.barrier(_BARRIER_OPTS).wait()
+        pg.barrier(BARRIER_OPTS).wait()
         return pg
 
     @classmethod
-    def _connect(cls, rendezvous: Rendezvous, timeout: float, **extra: Any) -> "TorchGroup":
+    def _connect(cls, rendezvous: Rendezvous, timeout: float, **extra: Any) -> "TorchBackend":
         rank, size = rendezvous.rank, rendezvous.world_size
-        meeting, prefix = _world_store(rendezvous, timeout)
-        where = _where(rank, size, f"init_process_group(backend={cls.backend!r})")
+        meeting, prefix = world_store(rendezvous, timeout)
+        where = _where(rank, size, f"init_process_group(backend={cls.name!r})")
         try:
-            c10d = _construct(lambda: cls._make_c10d(dist.PrefixStore(prefix, meeting.store),
+            c10d = construct(lambda: cls._make_c10d(dist.PrefixStore(prefix, meeting.store),
                                                      rank, size, timeout, **extra),
                               where, timeout)
             group = cls(rank, size, timeout=timeout, c10d=c10d, store=meeting, prefix=prefix,
@@ -164,17 +176,17 @@ class TorchGroup(_FailureDiagnosis, ProcessGroup):
             raise
         return group
 
-    def _new_group(self, ranks: tuple[int, ...], instance: int) -> "TorchGroup":
+    def new_group(self, ranks: tuple[int, ...], instance: int) -> "TorchBackend":
         prefix = f"{self._prefix}{'.'.join(map(str, ranks))}#{instance}/"
         rank, size = ranks.index(self.rank), len(ranks)
-        where = f"{self._where('new_group')}({list(ranks)})"
+        where = f"{self.where('new_group')}({list(ranks)})"
         extra = self._sub_group_extra()
         meeting = self._meeting
-        if meeting is None or self._store is None:
+        if meeting is None or self.store is None:
             raise CollectiveError(f"{where}: the group is closed")
         meeting.acquire()  # the sub-group shares its parent's store
         try:
-            c10d = _construct(lambda: self._make_c10d(dist.PrefixStore(prefix, self._store),
+            c10d = construct(lambda: self._make_c10d(dist.PrefixStore(prefix, self.store),
                                                       rank, size, self.timeout, **extra),
                               where, self.timeout)
             return type(self)(rank, size, timeout=self.timeout, c10d=c10d, store=meeting,
@@ -187,21 +199,22 @@ class TorchGroup(_FailureDiagnosis, ProcessGroup):
         return {}
 
     # --------------------------------------------------------------------- plumbing
-    def _to_host(self, obj: Any, *, where: str, arg: str, write: bool) -> HostBuffer:
-        """A contiguous CPU tensor goes to the hooks as it is (c10d takes tensors; no
-        round trip through numpy); everything else as the base class stages it. The
-        memory of every argument is noted for :meth:`_run`'s ordering."""
+    def stage(self, obj: Any, *, where: str, arg: str, write: bool) -> HostBuffer:
+        """A contiguous CPU tensor goes to the collective methods as it is (c10d takes
+        tensors; no round trip through numpy); everything else staged through host
+        memory as every backend's is. The memory of every argument is noted for
+        :meth:`before_start`'s ordering."""
         args = getattr(self._tls, "args", None)
         if args is None:
             args = self._tls.args = []
         args.append((obj, write))
-        if isinstance(obj, torch.Tensor) and obj.is_cpu and obj.dtype in _TORCH_DTYPES \
+        if isinstance(obj, torch.Tensor) and obj.is_cpu and obj.dtype in TORCH_DTYPES \
                 and obj.is_contiguous() and not obj.is_neg():
             return HostBuffer(obj.detach() if obj.requires_grad else obj)
         return to_host(obj, where=where, arg=arg, write=write)
 
     def _take_args(self) -> list:
-        """The arguments noted by ``_to_host`` since the last call (and forget them)."""
+        """The arguments noted by ``stage`` since the last call (and forget them)."""
         args = getattr(self._tls, "args", None)
         self._tls.args = []
         return args or []
@@ -209,71 +222,79 @@ class TorchGroup(_FailureDiagnosis, ProcessGroup):
     def _wait_for_conflicts(self, spans: list) -> None:
         """Finish every async operation in flight whose memory overlaps ``spans`` (one of
         the two writing): the new operation then sees its results, as in issue order."""
-        for work in self._in_flight():
-            if _conflict(work._spans, spans):
+        for work in self.inflight.snapshot():
+            if conflict(work._spans, spans):
                 work._finish()  # its error, if any, stays with it for its own wait()
 
     def _c10d(self, op: str) -> Any:
-        if self._pg is None:
-            raise CollectiveError(f"{self._where(op)}: the group is closed")
+        if self._pg is None or self.aborted:
+            how = "aborted" if self.aborted else "closed"
+            raise CollectiveError(f"{self.where(op)}: the group is {how}")
         return self._pg
 
     def _issue(self, work: Any, op: str, seq: int,
                then: Optional[Callable[[], None]] = None, keep: Sequence[Any] = ()) -> TorchWork:
-        """The Work of a collective hook: torch's ``work``, what to do once it finished
-        (AVG's division, int16's narrowing) and the tensors torch uses until then (see
-        collectives.hooks). It carries the memory spans ``_before_start`` noted, for the
-        ordering of later async ops."""
+        """The Work of a collective method: torch's ``work``, what to do once it
+        finished (AVG's division, int16's narrowing) and the tensors torch uses until
+        then. It carries the memory spans ``before_start`` noted, for the ordering of
+        later async ops."""
+        self.entered = seq + 1
         mine = TorchWork(self, op, seq, [work], [then] if then is not None else (), (), keep)
         mine._spans = getattr(self._tls, "spans", None) or []
+        self.inflight.add(mine)
         return mine
 
-    def _before_start(self, async_op: bool) -> None:
+    def translate(self, exc: BaseException, op: str, seq: int,
+                  peer: int = -1) -> BaseException:
+        return self.failures.translate(exc, op, seq, peer)
+
+    def paths(self) -> PathTable:
+        """None of ours: every collective is torch's own, which picks its algorithms."""
+        return PathTable({}, notes=[f"every collective is torch's own ({self.name}): "
+                                    f"c10d picks the algorithms"])
+
+    def before_start(self, async_op: bool) -> None:
         """Order the op after every async op in flight whose memory overlaps its
         arguments (one of the two writing): torch runs ops concurrently on its threads,
         so without this a later op could read what an earlier one has yet to write."""
         args = self._take_args()
-        inflight = self._in_flight() if self._inflight else []  # the lock only when needed
-        spans = [_span(obj, write) for obj, write in args] if async_op or inflight else []
+        inflight = self.inflight.snapshot() if self.inflight else []  # the lock only if needed
+        spans = [span_of(obj, write) for obj, write in args] if async_op or inflight else []
         if inflight:
             self._wait_for_conflicts(spans)
         self._tls.spans = spans
 
     # -------------------------------------------------------------- point to point
-    def _isend(self, array: np.ndarray, dst: int, tag: int) -> Work:
+    def isend(self, array: np.ndarray, dst: int, tag: int) -> Work:
         self._take_args()  # point to point is not ordered with collectives
-        t = _bytes(_tensor(array))
+        t = as_bytes(as_tensor(array))
         try:
-            w = self._c10d("isend").send([t], dst, _wire_tag(tag))
+            w = self._c10d("isend").send([t], dst, wire_tag(tag))
         except RuntimeError as exc:
-            self._reraise(exc, "isend", -1, dst)
+            self.failures.reraise(exc, "isend", -1, dst)
         work = TorchWork(self, f"isend(dst={dst}, tag={tag})", -1, [w], keep=[t], peer=dst)
-        self._track(work)
+        self.inflight.add(work)
         return work
 
-    def _irecv(self, array: np.ndarray, src: int, tag: int) -> Work:
+    def irecv(self, array: np.ndarray, src: int, tag: int) -> Work:
         self._take_args()
-        t = _bytes(_tensor(array))
+        t = as_bytes(as_tensor(array))
         try:
-            w = self._c10d("irecv").recv([t], src, _wire_tag(tag))
+            w = self._c10d("irecv").recv([t], src, wire_tag(tag))
         except RuntimeError as exc:
-            self._reraise(exc, "irecv", -1, src)
+            self.failures.reraise(exc, "irecv", -1, src)
         work = TorchWork(self, f"irecv(src={src}, tag={tag})", -1, [w], keep=[t], peer=src)
-        self._track(work)
+        self.inflight.add(work)
         return work
 
-    def size_thresholds(self) -> tuple:
-        """None of ours: every collective is the library's own, which picks its algorithms."""
-        return ()
-
-    def _barrier(self, seq: int) -> TorchWork:
-        return self._issue(self._c10d("barrier").barrier(_BARRIER_OPTS), "barrier", seq)
+    def barrier(self, seq: int) -> TorchWork:
+        return self._issue(self._c10d("barrier").barrier(BARRIER_OPTS), "barrier", seq)
 
     # ------------------------------------------------------------------ collectives
     def _reducible(self, a: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(the tensor of ``a``, the tensor to reduce: itself or a widened copy)."""
-        t = _tensor(a)
-        wide = _WIDEN.get(t.dtype)
+        t = as_tensor(a)
+        wide = WIDEN.get(t.dtype)
         return t, (t if wide is None else t.to(wide))
 
     def _after_reduce(self, a: Any, t: torch.Tensor, reduced: torch.Tensor,
@@ -289,68 +310,70 @@ class TorchGroup(_FailureDiagnosis, ProcessGroup):
                 t.copy_(reduced)  # int32 -> int16 wraps like numpy's int16 arithmetic
             if op is ReduceOp.AVG:
                 if t.device.type == "cpu":  # the library's one definition of AVG
-                    finish(op, a if isinstance(a, np.ndarray) else _numpy(t), size)
+                    finish(op, a if isinstance(a, np.ndarray) else as_numpy(t), size)
                 else:
                     t.div_(size)
 
         return then
 
-    def _broadcast(self, a: np.ndarray, src: int, seq: int) -> TorchWork:
-        t = _bytes(_tensor(a))
-        opts = _options(dist.BroadcastOptions, rootRank=src, rootTensor=0)
+    def broadcast(self, a: np.ndarray, root: int, seq: int) -> TorchWork:
+        t = as_bytes(as_tensor(a))
+        opts = c10d_options(dist.BroadcastOptions, rootRank=root, rootTensor=0)
         return self._issue(self._c10d("broadcast").broadcast([t], opts), "broadcast", seq,
                            keep=[t])
 
-    def _all_reduce(self, a: np.ndarray, op: ReduceOp, seq: int) -> TorchWork:
+    def all_reduce(self, a: np.ndarray, op: ReduceOp, seq: int) -> TorchWork:
         t, r = self._reducible(a)
-        return self._issue(self._c10d("all_reduce").allreduce([r], _ALLREDUCE_OPTS[op]),
+        return self._issue(self._c10d("all_reduce").allreduce([r], ALLREDUCE_OPTS[op]),
                            "all_reduce", seq, self._after_reduce(a, t, r, op), keep=[t, r])
 
-    def _reduce(self, a: np.ndarray, dst: int, op: ReduceOp, seq: int) -> TorchWork:
+    def reduce(self, a: np.ndarray, root: int, op: ReduceOp, seq: int) -> TorchWork:
         t, r = self._reducible(a)
-        if self.rank != dst and r is t:
+        if self.rank != root and r is t:
             r = t.clone()  # gloo uses the non-root inputs as scratch space
-        opts = _options(dist.ReduceOptions, rootRank=dst, reduceOp=_C10D_OP[op])
-        then = self._after_reduce(a, t, r, op) if self.rank == dst else None
+        opts = c10d_options(dist.ReduceOptions, rootRank=root, reduceOp=C10D_OP[op])
+        then = self._after_reduce(a, t, r, op) if self.rank == root else None
         return self._issue(self._c10d("reduce").reduce([r], opts), "reduce", seq, then,
                            keep=[t, r])
 
-    def _all_gather(self, out: np.ndarray, inp: np.ndarray, seq: int) -> TorchWork:
-        o, i = _bytes(_tensor(out)), _bytes(_tensor(inp))
+    def all_gather(self, out: np.ndarray, inp: np.ndarray, seq: int) -> TorchWork:
+        o, i = as_bytes(as_tensor(out)), as_bytes(as_tensor(inp))
         pg = self._c10d("all_gather")
         if hasattr(pg, "_allgather_base"):
             w = pg._allgather_base(o, i)
         else:
-            w = pg.allgather([_parts(o, self.size)], [i])
+            w = pg.allgather([parts_of(o, self.size)], [i])
         return self._issue(w, "all_gather", seq, keep=[o, i])
 
-    def _gather(self, inp: np.ndarray, out: Optional[np.ndarray], dst: int, seq: int) -> TorchWork:
-        i = _bytes(_tensor(inp))
-        parts = [] if out is None else [_parts(_bytes(_tensor(out)), self.size)]
-        opts = _options(dist.GatherOptions, rootRank=dst)
+    def gather(self, inp: np.ndarray, out: Optional[np.ndarray], root: int,
+               seq: int) -> TorchWork:
+        i = as_bytes(as_tensor(inp))
+        parts = [] if out is None else [parts_of(as_bytes(as_tensor(out)), self.size)]
+        opts = c10d_options(dist.GatherOptions, rootRank=root)
         return self._issue(self._c10d("gather").gather(parts, [i], opts), "gather", seq,
                            keep=[i, parts])
 
-    def _scatter(self, out: np.ndarray, inp: Optional[np.ndarray], src: int, seq: int) -> TorchWork:
-        o = _bytes(_tensor(out))
-        parts = [] if inp is None else [_parts(_bytes(_tensor(inp)), self.size)]
-        opts = _options(dist.ScatterOptions, rootRank=src)
+    def scatter(self, out: np.ndarray, inp: Optional[np.ndarray], root: int,
+                seq: int) -> TorchWork:
+        o = as_bytes(as_tensor(out))
+        parts = [] if inp is None else [parts_of(as_bytes(as_tensor(inp)), self.size)]
+        opts = c10d_options(dist.ScatterOptions, rootRank=root)
         return self._issue(self._c10d("scatter").scatter([o], parts, opts), "scatter", seq,
                            keep=[o, parts])
 
-    def _reduce_scatter(self, out: np.ndarray, inp: np.ndarray, op: ReduceOp, seq: int) -> TorchWork:
+    def reduce_scatter(self, out: np.ndarray, inp: np.ndarray, op: ReduceOp, seq: int) -> TorchWork:
         o, ro = self._reducible(out)
-        i = _tensor(inp)
+        i = as_tensor(inp)
         ri = i if ro is o else i.to(ro.dtype)
         pg = self._c10d("reduce_scatter")
-        if self._native_reduce_scatter and hasattr(pg, "_reduce_scatter_base"):
+        if self.native_reduce_scatter and hasattr(pg, "_reduce_scatter_base"):
             try:
-                w = pg._reduce_scatter_base(ro, ri, _REDUCE_SCATTER_OPTS[op])
+                w = pg._reduce_scatter_base(ro, ri, REDUCE_SCATTER_OPTS[op])
             except RuntimeError as exc:
-                if not _unsupported(exc):
+                if not unsupported(exc):
                     raise
                 # Raised on every rank, before any communication: switch for good.
-                self._native_reduce_scatter = False
+                self.native_reduce_scatter = False
             else:
                 return self._issue(w, "reduce_scatter", seq, self._after_reduce(out, o, ro, op),
                                    keep=[o, ro, i, ri])
@@ -366,27 +389,29 @@ class TorchGroup(_FailureDiagnosis, ProcessGroup):
             if avg is not None:
                 avg()
 
-        return self._issue(pg.allreduce([full], _ALLREDUCE_OPTS[op]), "reduce_scatter", seq,
+        return self._issue(pg.allreduce([full], ALLREDUCE_OPTS[op]), "reduce_scatter", seq,
                            then, keep=[o, i, full])
 
-    def _all_to_all(self, out: np.ndarray, inp: np.ndarray, out_counts: Sequence[int],
+    def all_to_all(self, out: np.ndarray, inp: np.ndarray, out_counts: Sequence[int],
                     in_counts: Sequence[int], seq: int) -> TorchWork:
-        o, i = _tensor(out), _tensor(inp)
+        o, i = as_tensor(out), as_tensor(inp)
         k = o.element_size()
-        ob, ib = _bytes(o), _bytes(i)
+        ob, ib = as_bytes(o), as_bytes(i)
         equal = len(set(out_counts)) <= 1 and len(set(in_counts)) <= 1
         out_splits = [] if equal else [c * k for c in out_counts]
         in_splits = [] if equal else [c * k for c in in_counts]
         w = self._c10d("all_to_all").alltoall_base(ob, ib, out_splits, in_splits,
-                                                    _ALLTOALL_OPTS)
+                                                    ALLTOALL_OPTS)
         return self._issue(w, "all_to_all", seq, keep=[ob, ib])
 
     # --------------------------------------------------------------------- lifetime
-    def _close(self) -> None:
+    def close(self) -> None:
+        if self._pg is None and self._meeting is None:
+            return
         forget_at_exit(self)
         deadline = time.monotonic() + self.timeout
         while True:  # finish what is still in flight (results land, errors are dropped)
-            pending = self._in_flight()
+            pending = self.inflight.snapshot()
             if not pending:
                 break
             for w in pending:
@@ -394,20 +419,40 @@ class TorchGroup(_FailureDiagnosis, ProcessGroup):
                     w.wait(max(0.0, deadline - time.monotonic()) or 1e-3)
                 except CollectiveTimeout:
                     if time.monotonic() >= deadline:
-                        self._untrack(w)  # hung: give up on it
+                        self.inflight.discard(w)  # hung: give up on it
                 except Exception:  # noqa: BLE001 - close() must not raise for old errors
                     pass
+        broken = self._pg is not None and bool(self.failures.dead_peers())
+        self._release(broken)
+
+    def abort(self) -> None:
+        """Abort torch's group (its operations in flight end with an error; the sliced
+        waits end at their next look), keep it and the works in flight to the end of
+        the process (gloo's threads may still be stuck on a peer: their destructors
+        would block), and release the store without waiting for the peers."""
+        if self.aborted or self._pg is None:
+            return
+        self.aborted = True
+        forget_at_exit(self)
+        try:
+            self._pg.abort()
+        except Exception:  # noqa: BLE001 - a build without abort: the waits still end
+            pass
+        for w in self.inflight.take_all():
+            keep_forever(w)
+        self._release(broken=True)
+
+    def _release(self, broken: bool) -> None:
         pg, self._pg = self._pg, None
         meeting, self._meeting = self._meeting, None
-        self._store = None
+        self.store = None
         self._tls = threading.local()  # noted arguments: no reason to keep them alive
-        broken = pg is not None and bool(self._dead_peers())
-        if broken:
-            # A member died: gloo's threads may still be blocked in an operation this
-            # rank gave up on (see _wait) until the group timeout, and the destructor
-            # would wait for them. The group is broken anyway: keep it to the end of
-            # the process (its threads and sockets end with it), close() returns now.
-            _keep_forever(pg)
+        if broken and pg is not None:
+            # A member died (or the group was aborted): gloo's threads may still be
+            # blocked in an operation this rank gave up on until the group timeout, and
+            # the destructor would wait for them. The group is broken anyway: keep it to
+            # the end of the process (its threads and sockets end with it).
+            keep_forever(pg)
         elif pg is not None:
             _shutdown(pg)
             del pg  # the destructor joins gloo's threads (the GIL is released meanwhile)
@@ -418,12 +463,12 @@ class TorchGroup(_FailureDiagnosis, ProcessGroup):
 
 
 # --------------------------------------------------------------------------- factories
-def create_gloo(rendezvous: Rendezvous, timeout: float) -> TorchGroup:
+def create_gloo(rendezvous: Rendezvous, timeout: float) -> TorchBackend:
     """The world group over gloo (registry name ``gloo``)."""
     if not dist.is_available() or not dist.is_gloo_available():
         raise RuntimeError("backend 'gloo': this torch build has no gloo "
                            "(torch.distributed.is_gloo_available() is False)")
-    return TorchGroup._connect(rendezvous, timeout)
+    return TorchBackend._connect(rendezvous, timeout)
 
 
 def _shutdown(pg: Any) -> None:

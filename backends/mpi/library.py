@@ -5,7 +5,7 @@
   made to yield when this host's ranks outnumber its cores (``_tune_mpich``), and the
   reduction tables filled;
 - :func:`yield_every`: how often a spinning wait of the backend yields the core;
-- :func:`_reduction` / :func:`_bytes`: the MPI buffer spec and operator of a reduction
+- :func:`reduction` / :func:`byte_buffer`: the MPI buffer spec and operator of a reduction
   (float16 and bfloat16 through user-defined operators over 16-bit words, ``_user_op``),
   and the raw-bytes spec of every data-moving call.
 
@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from collectives import settings
 from collectives.reduce_op import ReduceOp, combine_into
 
 #: ``mpi4py.MPI`` once :func:`load_mpi` ran.
@@ -47,7 +48,7 @@ def _oversubscribed(env: Any) -> bool:
 
 def _tune_mpich(env: Any) -> None:
     """Make MPICH's own busy-wait loops yield when the ranks outnumber the cores."""
-    if env.get("COLLECTIVES_MPI_TUNE", "1") == "0" or not _oversubscribed(env):
+    if not settings.MPI_TUNE.get(env) or not _oversubscribed(env):
         return
     env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1")
     env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
@@ -57,8 +58,8 @@ def yield_every(env: Any) -> int:
     """Polls between two ``sched_yield`` calls of a spinning wait: every poll when this
     host's ranks outnumber its cores (the peer that must answer then gets the core), else
     every 64, like MPICH's own loops; ``COLLECTIVES_MPI_YIELD_EVERY`` overrides."""
-    every = env.get("COLLECTIVES_MPI_YIELD_EVERY")
-    return int(every) if every else 1 if _oversubscribed(env) else 64
+    every = settings.MPI_YIELD_EVERY.get(env)
+    return every if every else 1 if _oversubscribed(env) else 64
 
 
 def load_mpi() -> Any:
@@ -128,7 +129,7 @@ def _user_op(op: ReduceOp, dtype: np.dtype) -> Any:
 _REDUCTIONS: dict = {}
 
 
-def _reduction(a: np.ndarray, op: ReduceOp) -> tuple[list, Any]:
+def reduction(a: np.ndarray, op: ReduceOp) -> tuple[list, Any]:
     """(MPI buffer spec of the C-contiguous array ``a``, MPI operator) to reduce ``a``."""
     found = _REDUCTIONS.get((a.dtype, op._value_))  # (an enum's own hash is slow)
     if found is None:
@@ -143,7 +144,7 @@ def _reduction(a: np.ndarray, op: ReduceOp) -> tuple[list, Any]:
     return [a, found[0]], found[1]
 
 
-def _bytes(a: np.ndarray) -> list:
+def byte_buffer(a: np.ndarray) -> list:
     """An MPI buffer spec of the C-contiguous ``a``'s bytes (every dtype, incl. bfloat16
     and bool; mpi4py counts the bytes)."""
     return [a, MPI.BYTE]

@@ -1,4 +1,5 @@
-"""MPI through mpi4py as a backend of this library (registry name ``mpi``).
+"""``MpiBackend``: MPI through mpi4py as a backend of this library (registry name
+``mpi``).
 
 Start the ranks with the MPI launcher; ``init_process_group()`` with no arguments then
 picks this backend, the launcher's rank and the world size::
@@ -10,14 +11,14 @@ other way (``collectives.spawn``, torchrun) each see an MPI world of one: ``crea
 refuses them with a message that says to use ``mpiexec``.
 
 Everything is MPI's own, through mpi4py's buffer interface (the upper-case methods) on
-zero-copy views of the arrays the base class hands the hooks (``collectives.buffers``
+zero-copy views of the arrays the group hands the backend (``collectives.buffers``
 stages non-contiguous and CUDA tensors). Collectives are the non-blocking ones:
 ``Iallreduce`` (``MPI_IN_PLACE``), ``Ibcast``, ``Ireduce``, ``Iallgather``, ``Igather``,
 ``Iscatter``, ``Ireduce_scatter_block``, ``Ialltoall``/``Ialltoallv`` (split sizes),
 ``Ibarrier``; point to point is ``Isend``/``Irecv``. Data-moving collectives and point to
 point carry every dtype as raw bytes (``MPI.BYTE``).
 
-Reductions (one table, ``_MPI_OPS`` in :mod:`backends.mpi_library`, maps each
+Reductions (one table, ``_MPI_OPS`` in :mod:`backends.mpi.library`, maps each
 :class:`ReduceOp` to MPI's):
 
 - ``AVG`` is MPI's ``SUM``, then a division by the group size with
@@ -35,7 +36,7 @@ Reductions (one table, ``_MPI_OPS`` in :mod:`backends.mpi_library`, maps each
   tree/shm reduce + broadcast); ``tests/test_mpi_backend.py`` checks this on random,
   inexact inputs at 1..4 ranks and several sizes. The Python function runs inside
   ``Test()`` of the rank that reduces; it costs a numpy call per chunk.
-- ``bool`` has no reduction (the base class raises ``TypeError`` before any message).
+- ``bool`` has no reduction (the group raises ``TypeError`` before any message).
 - ``reduce`` passes non-root tensors as MPI's send buffer, which MPI never writes: they
   are left unchanged without a scratch copy.
 
@@ -58,14 +59,21 @@ MPICH 4/5), this library's at 2**63:
   even that is harmless unless two unrelated operations post in opposite orders.
 
 Waits, timeouts and errors. Every wait polls MPI's request with ``Test()`` and a deadline
-(MPI makes progress only inside these calls; there is no progress thread); a wait past
-the group's timeout raises :class:`CollectiveTimeout` naming, where knowable, the ranks
-that did not arrive, and MPI's exceptions become this library's typed errors.
-:mod:`backends.mpi_wait` says how, and what the other ranks see when one dies.
+(:mod:`backends.mpi.polling`: MPI makes progress only inside these calls; there is no
+progress thread); a wait past the group's timeout raises :class:`CollectiveTimeout`
+naming, where knowable, the ranks that did not arrive, and MPI's exceptions become this
+library's typed errors (:mod:`backends.mpi.diagnostics`, which also says what the other
+ranks see when one dies).
+
+Abort. ``abort()`` makes every wait end within a poll (each checks the flag between two
+``Test()`` calls) and later calls raise; it never calls ``MPI_Abort`` (the process lives
+on). MPI cannot cancel a collective in flight: its requests and arrays are kept to the
+end of the process (a peer may still complete it), the communicators are freed (MPI
+completes the free once the requests did).
 
 Threads and initialisation. No thread of this module touches MPI: ``async_op=True``
 returns a :class:`MpiWork` around MPI's request (native non-blocking collectives, not the
-base class's thread). MPI is initialised when the first group is created (importing this
+group's thread). MPI is initialised when the first group is created (importing this
 module does not), by mpi4py with ``MPI_THREAD_MULTIPLE`` (mpi4py's default, stated here;
 ``MPI4PY_RC_THREAD_LEVEL`` still overrides it) so that user threads may wait on works;
 ``MPI_Finalize`` runs at exit (mpi4py), after the ``atexit`` hook of ``collectives.lifetime`` closed the
@@ -99,36 +107,42 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from collectives.algorithms.links import fold_tag
+from collectives.backend import Backend, Capabilities
 from collectives.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout
 from collectives.errors import where as _where
-from collectives.algorithms.links import fold_tag
-from collectives.group import MAX_USER_TAG, ProcessGroup
-from collectives.lifetime import close_at_exit, forget_at_exit
 from collectives.launch import Rendezvous
+from collectives.lifetime import close_at_exit, forget_at_exit
+from collectives.paths import PathTable
 from collectives.reduce_op import ReduceOp, finish
-from collectives.work import Work
+from collectives.validation import MAX_USER_TAG
+from collectives.work import InFlight, Work
 
-from .mpi_library import _bytes, _reduction
-from .mpi_wait import _ARRIVE, _RELEASE, _RESERVED_TAGS, MpiDiagnostics, MpiWork, _poll
-from .mpi_wait import load_mpi as _load_wait
+from . import library, polling
+from .diagnostics import ARRIVE, RELEASE, RESERVED_TAGS, Diagnostics, answer_all_peers
+from .library import byte_buffer, reduction
+from .persistent import free_requests, persistent_call
+from .work import MpiWork
 
-__all__ = ["MpiGroup", "MpiWork", "create", "fold_tag", "load_mpi"]
+__all__ = ["MpiBackend", "MpiWork", "create", "fold_tag", "load_mpi"]
 
 #: ``mpi4py.MPI`` once :func:`load_mpi` ran.
 MPI: Any = None
 
-#: Works in flight per group before completed ones are collected.
-_TRACK_LIMIT = 64
-
 
 # ---------------------------------------------------------------------- initialisation
 def load_mpi() -> Any:
-    """``mpi4py.MPI``, initialising MPI on first use (:mod:`backends.mpi_library`), and
-    the wait tuned to the host (:func:`backends.mpi_wait.load_mpi`)."""
+    """``mpi4py.MPI``, initialising MPI on first use (:mod:`backends.mpi.library`), and
+    the wait tuned to the host (:func:`backends.mpi.polling.tune`)."""
     global MPI
     if MPI is None:
-        MPI = _load_wait()
+        polling.tune()
+        MPI = library.load_mpi()
     return MPI
+
+
+def _poll(test: Callable[[], bool], limit: float) -> bool:
+    return polling.poll(test, limit, answer_all_peers)
 
 
 # ------------------------------------------------------------------------------ groups
@@ -136,8 +150,8 @@ def load_mpi() -> Any:
 _ORPHANS: list = []
 
 
-class MpiGroup(MpiDiagnostics, ProcessGroup):
-    """A ProcessGroup over an MPI communicator.
+class MpiBackend(Backend):
+    """A Backend over an MPI communicator.
 
     Four ranks, ``mpiexec -n 4 python script.py``::
 
@@ -149,89 +163,112 @@ class MpiGroup(MpiDiagnostics, ProcessGroup):
         pair = pg.new_group([0, 1] if pg.rank < 2 else [2, 3])   # MPI_Comm_create_group
         pg.close()
 
-    MPI's errors and the diagnosis of timeouts are :class:`MpiDiagnostics`'s
-    (:mod:`backends.mpi_wait`).
+    MPI's errors and the diagnosis of timeouts are its :class:`Diagnostics`'s
+    (:mod:`backends.mpi.diagnostics`).
     """
 
-    backend = "mpi"
-    hooks_return_work = True  # every hook starts MPI's non-blocking call (MPI_I...)
+    name = "mpi"
+    # Every collective method starts MPI's non-blocking call (MPI_I...) and returns its
+    # Work; persistent rounds are MPI-4's persistent collectives.
+    capabilities = Capabilities(returns_work=True, persistent=True, translates_errors=True)
 
     def __init__(self, comm: Any, *, timeout: float, where: str) -> None:
-        super().__init__(comm.Get_rank(), comm.Get_size(), timeout=timeout)
-        self._comm = comm
+        super().__init__(comm.Get_rank(), comm.Get_size(), timeout)
+        self.comm = comm
+        #: Collectives entered so far (what a peer diagnosing its timeout asks for).
+        self.entered = 0
+        #: Set by abort(): every wait ends at its next poll.
+        self.aborted = False
+        self.inflight = InFlight()
         # The auxiliary communicator: the library's internal send/recv tags, the timeout
         # diagnostics and new_group's handshake (two MPI context ids per group in all).
         aux, request = comm.Idup()
         if not _poll(request.Test, timeout):
             raise CollectiveTimeout(f"{where}: not every rank arrived within {timeout:g} s",
                                     op="init")
-        self._aux = aux
+        self.aux = aux
         tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
-        self._tag_ub = int(tag_ub) if tag_ub is not None else 32767
+        self.tag_ub = int(tag_ub) if tag_ub is not None else 32767
         #: Internal tags fold into [0, 2**bits), below the reserved tags at the top.
-        self._tag_bits = (self._tag_ub + 1 - _RESERVED_TAGS).bit_length() - 1
-        self._diag_tags = [self._tag_ub - k for k in range(_RESERVED_TAGS)]
-        self._answers: list = []
-        self._diag_lock = threading.Lock()
+        self._tag_bits = (self.tag_ub + 1 - RESERVED_TAGS).bit_length() - 1
+        self.diagnostics = Diagnostics(self)
+        self.persistent_requests: list = []
         close_at_exit(self)
 
     # --------------------------------------------------------------------- plumbing
     def _closed_error(self, op: str) -> CollectiveError:
-        return CollectiveError(f"{self._where(op)}: the group is closed")
+        how = "aborted" if self.aborted else "closed"
+        return CollectiveError(f"{self.where(op)}: the group is {how}")
 
     def _issue(self, request: Any, op: str, seq: int,
                then: Optional[Callable[[], None]] = None, keep: Any = None) -> MpiWork:
-        """The Work of a collective hook: MPI's ``request``, what to do once it completed
-        (AVG's division), and the arrays MPI uses until then (see collectives.hooks)."""
-        return MpiWork(self, op, seq, [request], then, (), keep)
+        """The Work of a collective method: MPI's ``request``, what to do once it
+        completed (AVG's division), and the arrays MPI uses until then."""
+        self.entered = seq + 1
+        work = MpiWork(self, op, seq, [request], then, (), keep)
+        self.inflight.add(work)
+        return work
 
-    def _keep_alive(self, work: MpiWork) -> None:
+    def keep_alive(self, work: MpiWork) -> None:
         """A wait timed out: MPI may still use the work's arrays, keep them referenced."""
         work._timed_out = True
-        with self._inflight_lock:
-            self._inflight[work] = None
+        self.inflight.add(work)
+
+    def translate(self, exc: BaseException, op: str, seq: int,
+                  peer: int = -1) -> BaseException:
+        return self.diagnostics.translate(exc, op, seq, peer)
+
+    def paths(self) -> PathTable:
+        """None of ours: every collective is MPI's own, which picks its algorithms."""
+        return PathTable({}, notes=["every collective is MPI's own non-blocking call "
+                                    "(MPI_Iallreduce, ...): the MPI library picks"])
+
+    def describe(self) -> list[str]:
+        return [f"MPI: {MPI.Get_library_version().splitlines()[0].strip()}"]
 
     # -------------------------------------------------------------- point to point
     def _route(self, tag: int, op: str) -> tuple[Any, int]:
         """(communicator, MPI tag) for a tag of this library (see the module docstring)."""
-        comm = self._comm
-        if comm is None:
+        comm = self.comm
+        if comm is None or self.aborted:
             raise self._closed_error(op)
         if tag < MAX_USER_TAG:
-            if tag > self._tag_ub:
-                raise ValueError(f"{self._where(op)}: argument `tag`={tag} is above MPI's "
-                                 f"largest tag MPI.TAG_UB={self._tag_ub} of this MPI "
+            if tag > self.tag_ub:
+                raise ValueError(f"{self.where(op)}: argument `tag`={tag} is above MPI's "
+                                 f"largest tag MPI.TAG_UB={self.tag_ub} of this MPI "
                                  f"library; the mpi backend passes user tags to MPI "
-                                 f"unchanged, so use tags in [0, {self._tag_ub}]")
+                                 f"unchanged, so use tags in [0, {self.tag_ub}]")
             return comm, tag
-        return self._aux, fold_tag(tag, self._tag_bits)
+        return self.aux, fold_tag(tag, self._tag_bits)
 
-    def _isend(self, array: np.ndarray, dst: int, tag: int) -> Work:
+    def isend(self, array: np.ndarray, dst: int, tag: int) -> Work:
         comm, mtag = self._route(tag, "isend")
         try:
-            request = comm.Isend(_bytes(array), dst, mtag)
+            request = comm.Isend(byte_buffer(array), dst, mtag)
         except MPI.Exception as exc:
-            raise self._translate(exc, "isend", -1, dst) from exc
+            raise self.translate(exc, "isend", -1, dst) from exc
         work = MpiWork(self, f"isend(dst={dst}, tag={tag})", -1, [request], keep=array, peer=dst)
-        self._track(work)
+        self.inflight.add(work)
         return work
 
-    def _irecv(self, array: np.ndarray, src: int, tag: int) -> Work:
+    def irecv(self, array: np.ndarray, src: int, tag: int) -> Work:
         comm, mtag = self._route(tag, "irecv")
         try:
-            request = comm.Irecv(_bytes(array), src, mtag)
+            request = comm.Irecv(byte_buffer(array), src, mtag)
         except MPI.Exception as exc:
-            raise self._translate(exc, "irecv", -1, src) from exc
+            raise self.translate(exc, "irecv", -1, src) from exc
         work = MpiWork(self, f"irecv(src={src}, tag={tag})", -1, [request], keep=array, peer=src)
-        self._track(work)
+        self.inflight.add(work)
         return work
 
-    def size_thresholds(self) -> tuple:
-        """None of ours: every collective is the library's own, which picks its algorithms."""
-        return ()
+    def _comm(self, op: str) -> Any:
+        comm = self.comm
+        if comm is None or self.aborted:
+            raise self._closed_error(op)
+        return comm
 
-    def _barrier(self, seq: int) -> MpiWork:
-        return self._issue(self._comm.Ibarrier(), "barrier", seq)
+    def barrier(self, seq: int) -> MpiWork:
+        return self._issue(self._comm("barrier").Ibarrier(), "barrier", seq)
 
     # ----------------------------------------------------------------- collectives
     def _avg(self, a: np.ndarray, op: ReduceOp) -> Optional[Callable[[], None]]:
@@ -240,45 +277,51 @@ class MpiGroup(MpiDiagnostics, ProcessGroup):
         size = self.size
         return lambda: finish(op, a, size)
 
-    def _broadcast(self, a: np.ndarray, src: int, seq: int) -> MpiWork:
-        return self._issue(self._comm.Ibcast(_bytes(a), root=src), "broadcast", seq, keep=a)
+    def broadcast(self, a: np.ndarray, root: int, seq: int) -> MpiWork:
+        return self._issue(self._comm("broadcast").Ibcast(byte_buffer(a), root=root),
+                           "broadcast", seq, keep=a)
 
-    def _all_reduce(self, a: np.ndarray, op: ReduceOp, seq: int) -> MpiWork:
-        buf, mop = _reduction(a, op)
-        return self._issue(self._comm.Iallreduce(MPI.IN_PLACE, buf, mop), "all_reduce", seq,
+    def all_reduce(self, a: np.ndarray, op: ReduceOp, seq: int) -> MpiWork:
+        buf, mop = reduction(a, op)
+        request = self._comm("all_reduce").Iallreduce(MPI.IN_PLACE, buf, mop)
+        return self._issue(request, "all_reduce", seq,
                            self._avg(a, op) if op is ReduceOp.AVG else None, keep=a)
 
-    def _reduce(self, a: np.ndarray, dst: int, op: ReduceOp, seq: int) -> MpiWork:
-        buf, mop = _reduction(a, op)
-        if self.rank == dst:
-            request = self._comm.Ireduce(MPI.IN_PLACE, buf, mop, root=dst)
+    def reduce(self, a: np.ndarray, root: int, op: ReduceOp, seq: int) -> MpiWork:
+        buf, mop = reduction(a, op)
+        comm = self._comm("reduce")
+        if self.rank == root:
+            request = comm.Ireduce(MPI.IN_PLACE, buf, mop, root=root)
             return self._issue(request, "reduce", seq, self._avg(a, op), keep=a)
-        else:  # MPI only reads a non-root's send buffer: the tensor stays unchanged
-            return self._issue(self._comm.Ireduce(buf, None, mop, root=dst), "reduce", seq,
-                               keep=a)
+        # MPI only reads a non-root's send buffer: the tensor stays unchanged
+        return self._issue(comm.Ireduce(buf, None, mop, root=root), "reduce", seq, keep=a)
 
-    def _all_gather(self, out: np.ndarray, inp: np.ndarray, seq: int) -> MpiWork:
-        return self._issue(self._comm.Iallgather(_bytes(inp), _bytes(out)), "all_gather", seq,
+    def all_gather(self, out: np.ndarray, inp: np.ndarray, seq: int) -> MpiWork:
+        request = self._comm("all_gather").Iallgather(byte_buffer(inp), byte_buffer(out))
+        return self._issue(request, "all_gather", seq, keep=(out, inp))
+
+    def gather(self, inp: np.ndarray, out: Optional[np.ndarray], root: int,
+               seq: int) -> MpiWork:
+        recv = byte_buffer(out) if self.rank == root else None
+        request = self._comm("gather").Igather(byte_buffer(inp), recv, root=root)
+        return self._issue(request, "gather", seq, keep=(out, inp))
+
+    def scatter(self, out: np.ndarray, inp: Optional[np.ndarray], root: int,
+                seq: int) -> MpiWork:
+        send = byte_buffer(inp) if self.rank == root else None
+        request = self._comm("scatter").Iscatter(send, byte_buffer(out), root=root)
+        return self._issue(request, "scatter", seq, keep=(out, inp))
+
+    def reduce_scatter(self, out: np.ndarray, inp: np.ndarray, op: ReduceOp,
+                       seq: int) -> MpiWork:
+        send, mop = reduction(inp, op)
+        recv, _ = reduction(out, op)
+        request = self._comm("reduce_scatter").Ireduce_scatter_block(send, recv, mop)
+        return self._issue(request, "reduce_scatter", seq, self._avg(out, op),
                            keep=(out, inp))
 
-    def _gather(self, inp: np.ndarray, out: Optional[np.ndarray], dst: int, seq: int) -> MpiWork:
-        recv = _bytes(out) if self.rank == dst else None
-        return self._issue(self._comm.Igather(_bytes(inp), recv, root=dst), "gather", seq,
-                           keep=(out, inp))
-
-    def _scatter(self, out: np.ndarray, inp: Optional[np.ndarray], src: int, seq: int) -> MpiWork:
-        send = _bytes(inp) if self.rank == src else None
-        return self._issue(self._comm.Iscatter(send, _bytes(out), root=src), "scatter", seq,
-                           keep=(out, inp))
-
-    def _reduce_scatter(self, out: np.ndarray, inp: np.ndarray, op: ReduceOp, seq: int) -> MpiWork:
-        send, mop = _reduction(inp, op)
-        recv, _ = _reduction(out, op)
-        return self._issue(self._comm.Ireduce_scatter_block(send, recv, mop),
-                           "reduce_scatter", seq, self._avg(out, op), keep=(out, inp))
-
-    def _all_to_all(self, out: np.ndarray, inp: np.ndarray, out_counts: Sequence[int],
-                    in_counts: Sequence[int], seq: int) -> MpiWork:
+    def all_to_all(self, out: np.ndarray, inp: np.ndarray, out_counts: Sequence[int],
+                   in_counts: Sequence[int], seq: int) -> MpiWork:
         # Always Ialltoallv, never Ialltoall for counts that happen to be equal: a rank
         # sees only its own counts, and MPI requires every rank to call the same
         # collective. A rank whose split sizes were all 0 called Ialltoall while the others
@@ -288,35 +331,33 @@ class MpiGroup(MpiDiagnostics, ProcessGroup):
         o, i = out.reshape(-1).view(np.uint8), inp.reshape(-1).view(np.uint8)
         send_counts = [c * k for c in in_counts]
         recv_counts = [c * k for c in out_counts]
-        request = self._comm.Ialltoallv(
+        request = self._comm("all_to_all").Ialltoallv(
             [i, (send_counts, _displacements(send_counts)), MPI.BYTE],
             [o, (recv_counts, _displacements(recv_counts)), MPI.BYTE])
         return self._issue(request, "all_to_all", seq, keep=(out, inp))
 
-    def _persistent_call(self, op: str, arrays: Sequence[np.ndarray],
-                         reduce_op: Optional[ReduceOp]) -> Optional[Callable[[int], Any]]:
-        """MPI-4's persistent collectives (see :mod:`backends.mpi_persistent`)."""
-        from .mpi_persistent import persistent_call
+    def persistent(self, op: str, arrays: Sequence[np.ndarray],
+                   reduce_op: Optional[ReduceOp]) -> Optional[Callable[[int], Any]]:
+        """MPI-4's persistent collectives (see :mod:`backends.mpi.persistent`)."""
         return persistent_call(self, op, arrays, reduce_op)
 
     # ----------------------------------------------------------------- sub-groups
-    def _new_group(self, ranks: tuple[int, ...], instance: int) -> "MpiGroup":
-        where = f"{self._where('new_group')}({list(ranks)})"
-        if self._comm is None:
-            raise self._closed_error("new_group")
+    def new_group(self, ranks: tuple[int, ...], instance: int) -> "MpiBackend":
+        where = f"{self.where('new_group')}({list(ranks)})"
+        comm = self._comm("new_group")
         key = zlib.crc32(repr((ranks, instance)).encode()) & 0x7FFFFFFF
         self._wait_for_members(ranks, key, where)
-        group = self._comm.Get_group()
+        group = comm.Get_group()
         members = group.Incl(list(ranks))
         try:
             # On the auxiliary communicator: never busy with the user's collectives.
-            comm = self._aux.Create_group(members, key % (self._tag_ub + 1))
+            sub = self.aux.Create_group(members, key % (self.tag_ub + 1))
         except MPI.Exception as exc:
-            raise self._translate(exc, "new_group", -1) from exc
+            raise self.translate(exc, "new_group", -1) from exc
         finally:
             members.Free()
             group.Free()
-        return MpiGroup(comm, timeout=self.timeout, where=where)
+        return MpiBackend(sub, timeout=self.timeout, where=where)
 
     def _wait_for_members(self, ranks: tuple[int, ...], key: int, where: str) -> None:
         """Return once every member of ``ranks`` called new_group for them (the lowest
@@ -324,18 +365,22 @@ class MpiGroup(MpiDiagnostics, ProcessGroup):
         naming those that did not come: ``Comm.Create_group`` itself cannot time out."""
         if len(ranks) == 1:
             return
-        leader, diag = ranks[0], self._aux
-        arrive, release_tag = self._diag_tags[_ARRIVE], self._diag_tags[_RELEASE]
+        leader, diag = ranks[0], self.aux
+        tags = self.diagnostics.tags
+        arrive, release_tag = tags[ARRIVE], tags[RELEASE]
         token = np.array([key], np.int64)
         if self.rank == leader:
             others = list(ranks[1:])
             got = {r: np.empty(1, np.int64) for r in others}
             recvs = [diag.Irecv([got[r], MPI.INT64_T], r, arrive) for r in others]
-            if not _poll(lambda: MPI.Request.Testall(recvs), self.timeout):
+            if not _poll(lambda: MPI.Request.Testall(recvs) or self.aborted, self.timeout) \
+                    or self.aborted:
                 missing = [r for r, q in zip(others, recvs) if not q.Test()]
                 for q in recvs:
                     if q != MPI.REQUEST_NULL:
                         q.Cancel()
+                if self.aborted:
+                    raise self._closed_error("new_group")
                 raise CollectiveTimeout(f"{where}: ranks {missing} did not call new_group "
                                         f"within {self.timeout:g} s", op="new_group",
                                         missing=missing)
@@ -344,44 +389,60 @@ class MpiGroup(MpiDiagnostics, ProcessGroup):
                 raise CollectiveMismatch(f"{where}: ranks {wrong} called new_group with other "
                                          f"members (or in another order) than this rank")
             sends = [diag.Isend([token, MPI.INT64_T], r, release_tag) for r in others]
-            _poll(lambda: MPI.Request.Testall(sends), self.timeout)
+            _poll(lambda: MPI.Request.Testall(sends) or self.aborted, self.timeout)
         else:
             release = np.empty(1, np.int64)
             reqs = [diag.Isend([token, MPI.INT64_T], leader, arrive),
                     diag.Irecv([release, MPI.INT64_T], leader, release_tag)]
-            if not _poll(lambda: MPI.Request.Testall(reqs), self.timeout):
+            if not _poll(lambda: MPI.Request.Testall(reqs) or self.aborted, self.timeout) \
+                    or self.aborted:
+                if self.aborted:
+                    raise self._closed_error("new_group")
                 raise CollectiveTimeout(f"{where}: the other members did not all call "
                                         f"new_group within {self.timeout:g} s (rank {leader} "
                                         f"gathers them)", op="new_group", missing=(leader,))
 
     # --------------------------------------------------------------------- lifetime
-    def _close(self) -> None:
+    def close(self) -> None:
+        if self.comm is None:
+            return
         forget_at_exit(self)
         deadline = time.monotonic() + self.timeout
-        pending = self._in_flight()
-        for w in pending:  # finish what is in flight (results land, errors are dropped)
+        for w in self.inflight.snapshot():  # finish what is in flight (results land)
             try:  # collectives get the timeout; point to point and works that timed out
                 left = max(deadline - time.monotonic(), 1e-3)  # already, a short grace
                 w.wait(min(left, 0.2) if w._timed_out else min(left, 1.0) if w._peer >= 0
                        else left)
             except Exception:  # noqa: BLE001 - close() must not raise for old errors
                 pass
-        with self._inflight_lock:
-            stuck, self._inflight = list(self._inflight), {}
+        self._release(self.inflight.take_all())
+
+    def abort(self) -> None:
+        """Every wait ends at its next poll; nothing waits for a peer (see the module
+        docstring: no ``MPI_Abort``, collectives in flight are kept, not cancelled)."""
+        if self.aborted or self.comm is None:
+            return
+        self.aborted = True
+        forget_at_exit(self)
+        self._release(self.inflight.take_all())
+
+    def _release(self, stuck: list) -> None:
+        """Cancel the unmatched receives among ``stuck``, keep what MPI may still use to
+        the end of the process, free the persistent requests and the communicators."""
         for w in stuck:
             for request in w._requests:
                 try:  # an unmatched receive can be cancelled; collectives cannot
                     if request != MPI.REQUEST_NULL and w._op.startswith("irecv"):
                         request.Cancel()
-                        _poll(request.Test, 1.0)  # a cancelled request must complete
+                        polling.poll(request.Test, 1.0, lambda: None)  # it must complete
                 except MPI.Exception:
                     pass
         _ORPHANS.extend(w for w in stuck if not w._finished)
+        self.diagnostics.close()
         if not MPI.Is_finalized():
-            from .mpi_persistent import free_requests
             free_requests(self)
-        comms = [self._comm, self._aux]
-        self._comm = self._aux = None
+        comms = [self.comm, self.aux]
+        self.comm = self.aux = None
         for comm in comms:
             if comm is not None and comm != MPI.COMM_NULL and not MPI.Is_finalized():
                 try:
@@ -399,7 +460,7 @@ def _displacements(counts: Sequence[int]) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- factory
-def create(rendezvous: Rendezvous, timeout: float) -> MpiGroup:
+def create(rendezvous: Rendezvous, timeout: float) -> MpiBackend:
     """The world group over ``MPI.COMM_WORLD`` (registry name ``mpi``)."""
     mpi = load_mpi()
     world = mpi.COMM_WORLD
@@ -415,7 +476,7 @@ def create(rendezvous: Rendezvous, timeout: float) -> MpiGroup:
         raise CollectiveTimeout(f"{where}: not every rank arrived within {timeout:g} s",
                                 op="init")
     _unlink_mpich_init_segments()
-    return MpiGroup(dup[0], timeout=timeout, where=where)
+    return MpiBackend(dup[0], timeout=timeout, where=where)
 
 
 def _unlink_mpich_init_segments() -> None:

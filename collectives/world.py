@@ -1,0 +1,58 @@
+"""``init_process_group``: connect this process to its world and return the world's
+:class:`~collectives.ProcessGroup`.
+
+Who this rank is and how the ranks meet comes from :mod:`collectives.launch`; which
+transport from the argument, ``COLLECTIVES_BACKEND`` or the launcher; the transport
+itself from the registry (:mod:`collectives.registry`), whose factory returns a
+:class:`~collectives.backend.Backend` that the group wraps.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Optional, Union
+
+from . import settings
+from .backend import Backend
+from .group import ProcessGroup
+from .launch import default_backend, detect_rendezvous
+from .registry import get_backend
+from .validation import timeout_seconds
+
+__all__ = ["DEFAULT_TIMEOUT", "init_process_group"]
+
+#: Seconds a blocking wait lasts before ``CollectiveTimeout``, unless told otherwise
+#: (``init_process_group(timeout=...)`` or the ``COLLECTIVES_TIMEOUT`` variable).
+DEFAULT_TIMEOUT: float = settings.TIMEOUT.default
+
+
+def init_process_group(backend: Optional[str] = None, *, rank: Optional[int] = None,
+                       world_size: Optional[int] = None,
+                       timeout: Union[float, datetime.timedelta, None] = None) -> ProcessGroup:
+    """Connect this process to its world and return the world's :class:`ProcessGroup`.
+
+    The group is an object, not global state: several may coexist. Two ranks started by
+    ``collectives.spawn(main, 2)``, ``torchrun --nproc-per-node 2`` or ``mpirun -n 2``::
+
+        def main():
+            pg = collectives.init_process_group()       # backend from the launcher
+            t = torch.ones(3) * (pg.rank + 1)
+            pg.all_reduce(t)                            # tensor([3., 3., 3.]) on both
+            pg.close()
+    """
+    settings.check_environment()
+    seconds = timeout_seconds(timeout, settings.TIMEOUT.get(), where="init_process_group")
+    rendezvous = detect_rendezvous(rank, world_size)
+    if backend is None or backend == "":
+        name = default_backend(rendezvous)
+        what = (f"the backend in {settings.BACKEND.name}" if settings.BACKEND.is_set()
+                else "the default backend")
+    else:
+        name, what = backend, "argument `backend`"
+    factory = get_backend(name, where="init_process_group", what=what)
+    made = factory(rendezvous, seconds)
+    if not isinstance(made, Backend):
+        raise TypeError(f"init_process_group: the factory of backend {name!r} returned "
+                        f"{type(made).__name__}, not a collectives.Backend (a backend "
+                        f"subclasses collectives.Backend; see collectives/backend.py)")
+    return ProcessGroup(made)
