@@ -1,20 +1,21 @@
-"""The group's fast path (functions of the :class:`~collectives.group.ProcessGroup` they run for): a
-blocking collective on a contiguous CPU tensor or array, checked, numbered, recorded and
-handed to its hook in about a microsecond; the same for the two-array collectives
-(``all_gather``, ``gather``, ``scatter``, ``reduce_scatter``: ``fast_pair`` and
-``fast_rooted`` check both arrays), ``all_to_all`` in equal parts and ``reduce``; and
+"""The group's fast path (functions of the :class:`~collectives.group.ProcessGroup` they
+run for): a blocking collective on a contiguous CPU tensor or array, checked, numbered,
+recorded and handed to its backend in about a microsecond; the same for the two-array
+collectives (``all_gather``, ``gather``, ``scatter``, ``reduce_scatter``: ``fast_pair``
+and ``fast_rooted`` check both arrays), ``all_to_all`` in equal parts and ``reduce``; and
 a blocking ``send``/``recv``, checked, recorded and handed to the backend's
 ``send_now``/``recv_now`` (:mod:`collectives.backend`).
 
-The general path (:mod:`collectives.collective_calls`, :mod:`collectives.running`) checks
-every argument, builds a :class:`~collectives.buffers.HostBuffer`, a closure and a flight
-record list per call: about 3 to 6 us of Python before the transport moves a byte, as
-much as the shm transport's own phase for a small message. The calls of a training loop
-repeat one argument list over and over, so the fast path keeps what it found out:
+The general path (:mod:`collectives.validation`, :mod:`collectives.running`) checks every
+argument, builds a :class:`~collectives.buffers.HostBuffer`, a closure and a flight record
+list per call: several microseconds of Python before the transport moves a byte, as much
+as the shm transport's own phase for a small message (docs/performance.md). The calls of
+a training loop repeat one argument list over and over, so the fast path keeps what it
+found out:
 
 - :class:`HostViews`: the flat host array of a contiguous CPU torch tensor, found once
   and re-used while the tensor keeps its memory, shape and dtype (``t.numpy()`` alone
-  costs ~0.8 us). Checked on every hit: the same object (weak reference), the same
+  costs most of a fast call). Checked on every hit: the same object (weak reference), the same
   ``data_ptr()`` (a storage resized or swapped with ``set_`` moves it), shape, dtype and
   contiguity. A numpy array is checked directly: that costs less than a cache lookup.
 - the reduction's validity for the dtype: :data:`VALID_REDUCTIONS`, per dtype the ops
@@ -85,7 +86,7 @@ class HostViews:
 
     def lookup(self, obj: Any) -> Optional[tuple[np.ndarray, Any, frozenset, np.dtype]]:
         """``(flat host array, caller's shape, the ids of its valid reductions, the
-        array's dtype)`` when ``obj`` may go straight to a hook as a zero-copy, writable
+        array's dtype)`` when ``obj`` may go straight to a method as a zero-copy, writable
         view; None when it needs the general path."""
         if type(obj) is np.ndarray:   # (fast_collective checks it alike)
             valid = VALID_REDUCTIONS.get(id(obj.dtype))
@@ -126,11 +127,11 @@ class HostViews:
         self._entries.clear()
 
 
-def fast_collective(group: Any, op: str, hook: Callable[..., Any], tensor: Any, arg: Any,
+def fast_collective(group: Any, op: str, method: Callable[..., Any], tensor: Any, arg: Any,
                     root: int, reduce_op: Any) -> bool:
     """A blocking collective on ``tensor`` whose other arguments the caller checked: when
     the path applies (contiguous, writable CPU memory of a supported dtype, and
-    ``reduce_op`` valid for it), number the call, run ``hook(flat, arg, seq)`` inline,
+    ``reduce_op`` valid for it), number the call, run ``method(flat, arg, seq)`` inline,
     record it, and return True: what ``running.dispatch`` + ``running.run`` do for a
     blocking call with nothing queued. False leaves the call to the general path.
     ``reduce_op`` is None for a collective that does not reduce, so the caller of one
@@ -161,7 +162,7 @@ def fast_collective(group: Any, op: str, hook: Callable[..., Any], tensor: Any, 
     recorder = group._recorder
     t0 = _time() if recorder is not None else 0.0
     try:
-        hook(flat, arg, seq)
+        method(flat, arg, seq)
     except BaseException as exc:
         if recorder is not None:
             fast_failed(group, (seq, op, shape, dtype, root, reduce_op, -1, t0), exc)
@@ -195,12 +196,12 @@ def fast_pair(group: Any, op: str, big: Any, small: Any, reduce_op: Any) -> Opti
     return found_big, found_small
 
 
-def fast_rooted(group: Any, op: str, hook: Callable[..., Any], small: Any, big: Any,
+def fast_rooted(group: Any, op: str, method: Callable[..., Any], small: Any, big: Any,
                 root: Any) -> bool:
     """A blocking gather (``small``: the input; ``big``: the root's output) or scatter
     (``small``: the output; ``big``: the root's input): when the path applies
     (``fast_pair`` at the root, ``small`` alone elsewhere, where ``big`` is ignored as the
-    general path ignores it), ``hook(small, big or None, root, seq)`` under
+    general path ignores it), ``method(small, big or None, root, seq)`` under
     ``run_numbered``, and True; False leaves the call to the general path."""
     if not (type(root) is int and 0 <= root < group.size):
         return False
@@ -214,7 +215,7 @@ def fast_rooted(group: Any, op: str, hook: Callable[..., Any], small: Any, big: 
         if found is None:
             return False
         check_open(group, op)
-    run_numbered(group, op, hook, (found[0], flat_big, root), found[1], found[3], root, None)
+    run_numbered(group, op, method, (found[0], flat_big, root), found[1], found[3], root, None)
     return True
 
 
@@ -243,10 +244,10 @@ def fast_even_all_to_all(group: Any, output: Any, input: Any) -> bool:
     return True
 
 
-def fast_p2p(group: Any, op: str, hook: Callable[[np.ndarray, int, int], None],
+def fast_p2p(group: Any, op: str, method: Callable[[np.ndarray, int, int], None],
              tensor: Any, peer: Any, tag: Any) -> bool:
     """A blocking send or receive of ``tensor``: when the path applies (a peer and a
-    user tag as plain ints, contiguous CPU memory), ``hook(flat, peer, tag)`` (the
+    user tag as plain ints, contiguous CPU memory), ``method(flat, peer, tag)`` (the
     backend's ``send_now`` or ``recv_now``) inline, recorded as the general path records
     it (not numbered), and True; False leaves the call to the general path."""
     if not (peer.__class__ is int and tag.__class__ is int and 0 <= peer < group.size
@@ -261,7 +262,7 @@ def fast_p2p(group: Any, op: str, hook: Callable[[np.ndarray, int, int], None],
     recorder = group._recorder
     t0 = _time() if recorder is not None else 0.0
     try:
-        hook(flat, peer, tag)
+        method(flat, peer, tag)
     except BaseException as exc:
         if recorder is not None:
             fast_failed(group, (-1, op, shape, dtype, -1, None, peer, t0), exc)

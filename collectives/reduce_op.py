@@ -113,6 +113,6 @@ def check_reducible(op: object, dtype: np.dtype, where: str, arg: str = "tensor"
 
 
 #: (id of a ReduceOp member, dtype) pairs already found valid. Keyed by id because an
-#: Enum member hashes in Python (~0.2 us); members live forever, so an id that matches
+#: Enum member hashes in Python (slow for a hot path); members live forever, so an id that matches
 #: is that member.
 _REDUCIBLE: dict[tuple[int, np.dtype], ReduceOp] = {}

@@ -68,16 +68,16 @@ def executor(group: Any) -> concurrent.futures.ThreadPoolExecutor:
 
 
 # ------------------------------------------------------------------------ running
-def run(group: Any, op: str, seq: int, hook: Callable[..., Any], args: tuple,
+def run(group: Any, op: str, seq: int, method: Callable[..., Any], args: tuple,
         buffers: Sequence[HostBuffer], async_op: bool) -> Optional[Work]:
-    """``hook(*args, seq)`` now, or on the group's thread when ``async_op`` (in issue
+    """``method(*args, seq)`` now, or on the group's thread when ``async_op`` (in issue
     order); for a backend whose methods return their Work, start it now and wait on it
     or hand it out."""
     if group._returns_work:
-        return run_started(group, op, seq, hook, args, buffers, async_op)
+        return run_started(group, op, seq, method, args, buffers, async_op)
     if not (async_op or group._pending):  # the hot path: nothing queued, run inline
         try:
-            hook(*args, seq)
+            method(*args, seq)
         except BaseException as exc:
             raise failed(group, exc, op, seq)
         for b in buffers:
@@ -86,7 +86,7 @@ def run(group: Any, op: str, seq: int, hook: Callable[..., Any], args: tuple,
 
     def task() -> None:
         try:
-            hook(*args, seq)
+            method(*args, seq)
             for b in buffers:
                 b.commit()
         except BaseException as exc:
@@ -110,12 +110,12 @@ def run(group: Any, op: str, seq: int, hook: Callable[..., Any], args: tuple,
     return None
 
 
-def run_started(group: Any, op: str, seq: int, hook: Callable[..., Any], args: tuple,
+def run_started(group: Any, op: str, seq: int, method: Callable[..., Any], args: tuple,
                  buffers: Sequence[HostBuffer], async_op: bool) -> Optional[Work]:
     backend = group.transport
     backend.before_start(async_op)
     try:
-        work = hook(*args, seq)
+        work = method(*args, seq)
     except Exception as exc:  # the library's own error: ours, naming the call
         error = backend.translate(exc, op, seq)
         raise failed(group, error, op, seq) from (exc if error is not exc else None)
@@ -135,13 +135,13 @@ def run_started(group: Any, op: str, seq: int, hook: Callable[..., Any], args: t
     return None
 
 
-def dispatch(group: Any, op: str, hook: Callable[..., Any], args: tuple,
+def dispatch(group: Any, op: str, method: Callable[..., Any], args: tuple,
              buffers: Sequence[HostBuffer], async_op: bool, shape: Any = None,
              dtype: Any = None, root: int = -1, reduce_op: Optional[ReduceOp] = None,
              counts: Optional[tuple[Sequence[int], Sequence[int]]] = None) -> Optional[Work]:
     """Number the collective, check the call (debug mode), record it, run it.
 
-    ``hook(*args, seq)`` is the backend's method; ``shape``, ``dtype``, ``root`` and
+    ``method(*args, seq)`` is the backend's method; ``shape``, ``dtype``, ``root`` and
     ``reduce_op`` describe the call for the flight recorder and the debug check
     (``counts``: all_to_all's elements sent to and received from each rank).
     """
@@ -154,7 +154,7 @@ def dispatch(group: Any, op: str, hook: Callable[..., Any], args: tuple,
         if check_seq >= 0:
             check_same_call(group, op, check_seq, seq, shape, dtype, root, reduce_op,
                              counts)
-        work = run(group, op, seq, hook, args, buffers, async_op)
+        work = run(group, op, seq, method, args, buffers, async_op)
     except BaseException as exc:
         record_failure(group, rec, exc)
         raise
@@ -168,9 +168,9 @@ def dispatch(group: Any, op: str, hook: Callable[..., Any], args: tuple,
     return work
 
 
-def run_numbered(group: Any, op: str, hook: Callable[..., Any], args: tuple, shape: Any,
+def run_numbered(group: Any, op: str, method: Callable[..., Any], args: tuple, shape: Any,
                  dtype: Any, root: int, reduce_op: Any) -> None:
-    """``hook(*args, seq)`` on this thread under the next sequence number, recorded as
+    """``method(*args, seq)`` on this thread under the next sequence number, recorded as
     one tuple after it returns: the fast path's run of a blocking call, and a persistent
     request's ``run()``. The caller checked that the group is open, that it may take the
     fast path and that nothing is queued."""
@@ -179,13 +179,13 @@ def run_numbered(group: Any, op: str, hook: Callable[..., Any], args: tuple, sha
     recorder = group._recorder
     if recorder is None:
         try:
-            hook(*args, seq)
+            method(*args, seq)
         except BaseException as exc:
             raise failed(group, exc, op, seq)
         return
     t0 = _time()
     try:
-        hook(*args, seq)
+        method(*args, seq)
     except BaseException as exc:
         fast_failed(group, (seq, op, shape, dtype, root, reduce_op, -1, t0), exc)
         raise failed(group, exc, op, seq)

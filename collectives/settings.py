@@ -284,9 +284,10 @@ def check_environment(env: Optional[Mapping[str, str]] = None, *, once: bool = T
     _checked = True
     unknown = sorted(k for k in (os.environ if env is None else env)
                      if k.startswith(PREFIX) and k not in _BY_NAME)
+    tails = {name[len(PREFIX):]: name for name in _BY_NAME}   # (the prefix says nothing)
     for name in unknown:
-        near = difflib.get_close_matches(name, list(_BY_NAME), n=1, cutoff=0.6)
-        hint = f"; did you mean {near[0]}?" if near else \
+        near = difflib.get_close_matches(name[len(PREFIX):], list(tails), n=1, cutoff=0.6)
+        hint = f"; did you mean {tails[near[0]]}?" if near else \
             " (python -m collectives.settings lists every one)"
         warnings.warn(f"unknown environment variable {name} is ignored{hint}",
                       RuntimeWarning, stacklevel=3)

@@ -147,7 +147,7 @@ def test_every_size_constant_is_a_registered_threshold():
     import backends
     import collectives
     registered = " ".join(t.name for t in collectives.algorithms.dispatch.PATHS.thresholds())
-    for path in ("backends/shm/group.py", "backends/zeromq/group.py",
+    for path in ("backends/shm/backend.py", "backends/zeromq/group.py",
                  "backends/zeromq/native.py"):
         registered += (ROOT / path).read_text()
     unlisted = []

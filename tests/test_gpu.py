@@ -121,3 +121,54 @@ def test_fsdp_refuses_a_cuda_model_with_a_clear_error():
     storage); a CUDA model is a ValueError that says so, not a crash inside a kernel."""
     (message,) = collectives.spawn(_fsdp_on_cuda, 1, backend="shm", timeout=JOB_TIMEOUT)
     assert "on the CPU" in message and "cuda" in message, message
+
+
+# ------------------------------------------------------------------ abort over NCCL
+def _nccl_abort() -> dict:
+    """Abort a world of NCCL from another thread (torch's ``ProcessGroupNCCL.abort``
+    underneath): abort() returns at once, every later call of the group and of a
+    sub-group raises GroupAborted naming the op and the rank, and the process lives on
+    (it can still use the device)."""
+    import threading
+    import time
+
+    pg = collectives.init_process_group()
+    sub = pg.new_group(list(range(pg.size)))
+    t = torch.ones(8, device="cuda")
+    pg.all_reduce(t)
+    took: list = []
+
+    def abort() -> None:
+        start = time.monotonic()
+        pg.abort("test: abort over nccl")
+        took.append(time.monotonic() - start)
+
+    thread = threading.Thread(target=abort)
+    thread.start()
+    thread.join(30)
+    later = {}
+    for name, call in (("all_reduce", lambda: pg.all_reduce(t)),
+                       ("sub", lambda: sub.all_reduce(t)),
+                       ("broadcast", lambda: pg.broadcast(t, 0))):
+        try:
+            call()
+            later[name] = "returned"
+        except collectives.GroupAborted as exc:
+            later[name] = str(exc)
+    alive = float((torch.ones(4, device="cuda") * 2).sum().item())
+    pg.close()   # after an abort: quiet, no error
+    return {"took": took, "later": later, "alive": alive, "sum": float(t.sum().item())}
+
+
+def test_abort_over_nccl_ends_the_group_and_the_process_lives_on():
+    n = torch.cuda.device_count()
+    results = collectives.spawn(_nccl_abort, n, backend="nccl", timeout=JOB_TIMEOUT)
+    for r, res in enumerate(results):
+        assert len(res["took"]) == 1 and res["took"][0] < 2.0, res
+        assert res["sum"] == 8.0 * n, res
+        for name, message in res["later"].items():
+            assert message != "returned", (name, res)
+            assert f"[rank {r}/{n}]" in message, (name, message)
+        assert "all_reduce" in res["later"]["all_reduce"], res
+        assert "broadcast" in res["later"]["broadcast"], res
+        assert res["alive"] == 8.0, res

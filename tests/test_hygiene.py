@@ -320,7 +320,7 @@ def test_create_use_close_cycles_leak_nothing(pool: WorldPool) -> None:
     times: each at a port of its own (cheapest for zmq, whose rebinding of one port costs
     ~0.2 s), except gloo's, which all meet at one port (the path where a rank connects
     for the next world while rank 0 stops the last one's server: see `_Meeting` in
-    backends/torch_meeting.py; fresh ports: test_gloo_store_of_a_closed_world_is_released)."""
+    backends/torchdist/meeting.py; fresh ports: test_gloo_store_of_a_closed_world_is_released)."""
     _check(pool, "same port" if pool.backend == "gloo" else "fresh port")
 
 

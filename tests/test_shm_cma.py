@@ -37,7 +37,7 @@ def _staged_group(pg):
     rank voting against it, that it stages through shared memory."""
     g = pg.new_group(list(range(pg.size)))
     os.environ[CMA_ENV] = "0"
-    g.all_reduce(np.zeros(pg.transport._cma_bytes // 4, np.float32))
+    g.all_reduce(np.zeros(pg.transport.single_copy.min_bytes // 4, np.float32))
     os.environ[CMA_ENV] = "1"
     return g
 
@@ -54,8 +54,8 @@ def _agree_job() -> dict:
         for name in FLOATS + INTS:
             dt = _dtype(name)
             # just at the line, an odd count above it (uneven, unaligned pieces)
-            for count in (pg.transport._cma_bytes // dt.itemsize,
-                          pg.transport._cma_bytes // dt.itemsize + 2 * n + 1):
+            for count in (pg.transport.single_copy.min_bytes // dt.itemsize,
+                          pg.transport.single_copy.min_bytes // dt.itemsize + 2 * n + 1):
                 for op in _ops(name)[:3] if count % 2 else _ops(name):
                     rng = np.random.default_rng([me, count, len(name), list(ReduceOp).index(op)])
                     x = _values(dt, count, rng)
@@ -70,19 +70,19 @@ def _agree_job() -> dict:
     if me == n - 1:
         os.environ[CMA_ENV] = "0"
     vote = pg.new_group(list(range(n)))
-    a = np.full(pg.transport._cma_bytes // 4 + 3, me + 1.0, np.float32)
+    a = np.full(pg.transport.single_copy.min_bytes // 4 + 3, me + 1.0, np.float32)
     vote.all_reduce(a)
     os.environ[CMA_ENV] = "1"
-    voted = (vote.transport._cma, bool(np.all(a == n * (n + 1) / 2)))
+    voted = (vote.transport.single_copy.decided, bool(np.all(a == n * (n + 1) / 2)))
 
     # Left to measure (the variable unset), one rank finds the kernel's copy too slow:
     # the whole group stages, and is right.
     del os.environ[CMA_ENV]
     cma._from_bytes = 0 if me == 0 else cma.CMA_ALL_REDUCE_BYTES
     slow = pg.new_group(list(range(n)))
-    c = np.full(pg.transport._cma_bytes // 4 + 5, me + 1.0, np.float32)
+    c = np.full(pg.transport.single_copy.min_bytes // 4 + 5, me + 1.0, np.float32)
     slow.all_reduce(c)
-    measured = (slow.transport._cma, bool(np.all(c == n * (n + 1) / 2)))
+    measured = (slow.transport.single_copy.decided, bool(np.all(c == n * (n + 1) / 2)))
 
     # One rank finds it pays only from 8 MiB: the group agrees on that line at its first
     # large call (which stages, as does every later one below the line, without asking
@@ -91,18 +91,18 @@ def _agree_job() -> dict:
     late = pg.new_group(list(range(n)))
     line_results = []
     asked = []
-    real_vote = type(late.transport)._cma_line
-    type(late.transport)._cma_line = lambda self: asked.append(1) or real_vote(self)
+    real_vote = type(late.transport.single_copy).line
+    type(late.transport.single_copy).line = lambda self: asked.append(1) or real_vote(self)
     try:
-        for count in (pg.transport._cma_bytes // 4 + 7, pg.transport._cma_bytes // 4 + 9,
+        for count in (pg.transport.single_copy.min_bytes // 4 + 7, pg.transport.single_copy.min_bytes // 4 + 9,
                       _BIG_LINE // 4 - 1, _BIG_LINE // 4):
             x = np.random.default_rng([me, count]).standard_normal(count).astype(np.float32)
             y, z = x.copy(), x.copy()
             late.all_reduce(y)
             staged.all_reduce(z)
-            line_results.append((late.transport._cma, late.transport._cma_bytes, len(asked), _same(y, z)))
+            line_results.append((late.transport.single_copy.decided, late.transport.single_copy.min_bytes, len(asked), _same(y, z)))
     finally:
-        type(late.transport)._cma_line = real_vote
+        type(late.transport.single_copy).line = real_vote
     cma._from_bytes = None
     os.environ[CMA_ENV] = "1"
 
@@ -114,17 +114,17 @@ def _agree_job() -> dict:
         probe = pg.new_group(list(range(n)))
         probes.append(probe)
         if me == 0:
-            real = probe.transport._native_module
+            real = probe.transport.single_copy.mod
             stub = type("Forbidden", (), {
                 name: staticmethod(getattr(real, name))
                 for name in ("cma_read", "cma_write")})
             setattr(stub, forbidden, staticmethod(lambda *args: -1))   # -EPERM
-            probe.transport._native_module = stub
-        b = np.full(pg.transport._cma_bytes // 4, me + 1.0, np.float32)
+            probe.transport.single_copy.mod = stub
+        b = np.full(pg.transport.single_copy.min_bytes // 4, me + 1.0, np.float32)
         probe.all_reduce(b)
-        probed.append((probe.transport._cma, bool(np.all(b == n * (n + 1) / 2))))
+        probed.append((probe.transport.single_copy.decided, bool(np.all(b == n * (n + 1) / 2))))
 
-    out = {"bad": bad, "digest": digest, "cma": (pg.transport._cma, staged.transport._cma), "voted": voted,
+    out = {"bad": bad, "digest": digest, "cma": (pg.transport.single_copy.decided, staged.transport.single_copy.decided), "voted": voted,
            "probed": probed, "measured": measured, "line": line_results}
     for g in (*probes, vote, staged, slow, late):
         g.close()
@@ -229,7 +229,7 @@ class _LateCore:
 def _nothing_written_after_an_error_job() -> dict:
     """After a single-copy all_reduce raised on a rank, no peer writes into its array
     (a peer checks that the rank has not failed before every block it writes, and the
-    rank waits for a block in flight: cma.CmaReduce._await_pushers)."""
+    rank waits for a block in flight: Phases.await_pushers)."""
     import time
 
     from backends.shm import segment as sg
@@ -237,7 +237,7 @@ def _nothing_written_after_an_error_job() -> dict:
     pg = collectives.init_process_group()
     me = pg.rank
     late, flagged, stuck = (pg.new_group([0, 1]) for _ in range(3))
-    count = pg.transport._cma_bytes // 4
+    count = pg.transport.single_copy.min_bytes // 4
     for g in (late, flagged, stuck):   # the first call votes and probes
         g.all_reduce(np.ones(count, np.float32))
     out = {}
@@ -247,7 +247,7 @@ def _nothing_written_after_an_error_job() -> dict:
     late.timeout = 1.0
     a = np.full(count, me + 1.0, np.float32)
     if me == 1:
-        late.transport._native = _LateCore(late.transport._native, 2.5)
+        late.transport.core.group = _LateCore(late.transport.core.group, 2.5)
     try:
         late.all_reduce(a)
         out["late"] = "returned"
@@ -263,9 +263,9 @@ def _nothing_written_after_an_error_job() -> dict:
     # rank 0 times out: rank 0 raises only once rank 1 is done (1.3 s after the start),
     # or, where rank 1 never is, after waiting the group's timeout again, naming it.
     for g, clear_after, timeout in ((flagged, 1.3, 1.0), (stuck, None, 0.3)):
-        word = g.transport._layout.ctrl_word(1, sg.W_PUSHING)
+        word = g.transport.phases.layout.ctrl_word(1, sg.W_PUSHING)
         if me == 1:
-            g.transport._u64[word] = 1          # "writing into rank 0"
+            g.transport.phases.u64[word] = 1          # "writing into rank 0"
         pg.barrier()
         if me == 0:
             g.timeout = timeout
@@ -277,10 +277,10 @@ def _nothing_written_after_an_error_job() -> dict:
                                                 "ranks [1]" in "".join(exc.__notes__))
         elif clear_after is not None:
             time.sleep(clear_after)
-            g.transport._u64[word] = 0
+            g.transport.phases.u64[word] = 0
         pg.barrier()
         if me == 1:
-            g.transport._u64[word] = 0
+            g.transport.phases.u64[word] = 0
     for g in (late, flagged, stuck):
         g.close()
     pg.close()

@@ -33,7 +33,7 @@ from collectives import ReduceOp
 from collectives.reduce_op import reduce_arrays
 
 from backends.shm import native
-from backends.shm.ops import _DTYPE_CODE, _REDOP_CODE
+from backends.shm.codes import DTYPE_CODE as _DTYPE_CODE, REDOP_CODE as _REDOP_CODE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -250,7 +250,7 @@ def _both_paths_job() -> dict:
                 out["bad"].append(f"reduce_scatter {name} {op.name} n={x.size}")
     out["digest"] = [results[0].tobytes().hex()[:32]]
     # The gather and scatter families and all_to_all (one phase: the core's small_move
-    # or all_to_all on a native rank, ops.py on a Python one; 40,000 elements of 2 bytes
+    # or all_to_all on a native rank, the Python core on a Python one; 40,000 elements of 2 bytes
     # or more take several 64 KiB phases; 32,760 int8s the all_to_all's second phase:
     # its 65,520 bytes fit a slot but not behind the counts). Each root in turn.
     for name in FLOATS + INTS:
@@ -348,7 +348,7 @@ def _both_paths_job() -> dict:
 def _capped_pieces_job() -> dict:
     """The default 1 MiB slot, whose pipelined pieces are capped at PIECE_MAX_BYTES: the
     native, Python and mixed groups cut a large all_reduce (and reduce) alike."""
-    from backends.shm.reduce import PIECE_MAX_BYTES
+    from backends.shm.reduce import PIECE_MAX_BYTES, piece_layout
     pg = collectives.init_process_group()
     me = pg.rank
     os.environ[native.NATIVE_ENV] = "0"
@@ -357,7 +357,7 @@ def _capped_pieces_job() -> dict:
     mixed = pg.new_group([0, 1])
     del os.environ[native.NATIVE_ENV]
     os.environ["COLLECTIVES_SHM_CMA"] = "0"   # (the staged path at every size)
-    chunk = pg.transport._piece_layout(4)[1] * 4
+    chunk = piece_layout(pg.transport.phases, 4)[1] * 4
     bad = []
     for count in (chunk // 4 - 3, 5 * chunk // 4 + 17, 300_001):
         x = np.random.default_rng([me, count]).standard_normal(count).astype(np.float32)
@@ -372,7 +372,8 @@ def _capped_pieces_job() -> dict:
                 outs.append(y)
             if not all(_same(o, outs[0]) for o in outs[1:]):
                 bad.append(f"{what} n={count}")
-    out = {"bad": bad, "capped": pg.transport._piece_layout(1)[0] == PIECE_MAX_BYTES < pg.transport._S // 3,
+    out = {"bad": bad, "capped": piece_layout(pg.transport.phases, 1)[0] == PIECE_MAX_BYTES
+           < pg.transport.phases.S // 3,
            "native": [pg.transport.native, python.transport.native, mixed.transport.native]}
     for g in (mixed, python, pg):
         g.close()
@@ -404,10 +405,10 @@ def test_native_python_and_mixed_groups_agree_bitwise_and_talk():
 
 def _late_pipelined_job() -> list:
     """Pipelined all_reduces and reduces (several chunks) where a rank comes late and
-    the core gives up on every first wait at once (``_wait_budget`` 0): Python waits
+    the core gives up on every first wait at once (``wait_budget`` 0): Python waits
     phases out between the core's calls, which go on from the next step."""
     pg = collectives.init_process_group()
-    pg.transport._wait_budget = 0.0
+    pg.transport.core.wait_budget = 0.0
     n, me = pg.size, pg.rank
     a = np.empty(300_001, np.float32)   # about 19 chunks of 64 KiB slots
     right = []
@@ -436,24 +437,25 @@ def test_the_pipelined_path_survives_late_ranks_and_short_waits(nproc):
 
 def _small_hook_job() -> dict:
     """The one-phase all_reduce in one call of the core (small_all_reduce), against
-    Python's one-phase path (_small_reduce_native, counted): taken on the hot path, left
+    Python's one-phase path (NativeCore.small_reduce, counted): taken on the hot path, left
     to Python with a send in flight, and waited out by Python when a rank comes later
     than the core waits."""
     pg = collectives.init_process_group()
     me, n = pg.rank, pg.size
-    cls = type(pg.transport)
-    real = cls._small_reduce_native
+    cls = type(pg.transport.core)
+    real = cls.small_reduce
     python_calls = []
 
     def counted(self, *args):
         python_calls.append(args[2])
         return real(self, *args)
 
-    cls._small_reduce_native = counted
+    cls.small_reduce = counted
     out = {"counters_agree": []}
 
     def agree() -> None:   # the core's counter is the phase this rank last published
-        out["counters_agree"].append(pg.transport._native.phase == int(pg.transport._u64[pg.transport._me_arrived]))
+        ph = pg.transport.phases
+        out["counters_agree"].append(pg.transport.core.group.phase == int(ph.u64[ph.me_arrived]))
 
     try:
         a = np.empty(5, np.float32)
@@ -484,15 +486,15 @@ def _small_hook_job() -> dict:
         agree()
         out["pending"] = (bool((a == n).all()) and np.array_equal(got, big),
                           len(python_calls) - before)
-        phase = pg.transport._phase
+        phase = pg.transport.phases.phase
         pg.barrier()   # (a phase of the Python wrapper: the counters are one)
         agree()
-        out["phase"] = pg.transport._phase - phase
-        last = pg.transport._phase
+        out["phase"] = pg.transport.phases.phase - phase
+        last = pg.transport.phases.phase
     finally:
-        cls._small_reduce_native = real
+        cls.small_reduce = real
         pg.close()
-    out["after_close"] = pg.transport._phase == last   # the counter moved back to Python intact
+    out["after_close"] = pg.transport.phases.phase == last   # the counter is intact after close
     return out
 
 
@@ -536,30 +538,30 @@ def test_the_one_phase_all_reduce_is_one_call_of_the_core(nproc):
 def _small_moves_job() -> dict:
     """The gather and scatter families' one-phase messages, a small all_to_all and a
     barrier: each
-    straight from the base class's fast path (its general path, counted, never taken)
-    into one call of the core (ops.py's phase loops, counted, never run), also when a
+    straight from the group's fast path (its general path, counted, never taken)
+    into one call of the core (moves.py's phase loops, counted, never run), also when a
     rank comes later than the core waits before each call (Python waits the phase out,
     the core finishes it), and a mismatch raises on every rank, naming the other call."""
-    from backends.shm.ops import CollectiveOps
+    from backends.shm import moves
     pg = collectives.init_process_group()
     me, n = pg.rank, pg.size
     python_calls = []
     originals = {}
-    for name in ("_broadcast_impl", "_gather_impl", "_scatter_impl", "_all_to_all_impl",
-                 "_all_to_all_rest"):
-        originals[name] = getattr(CollectiveOps, name)
+    for name in ("broadcast", "gather", "scatter", "all_to_all", "all_to_all_rest"):
+        originals[name] = getattr(moves, name)
 
-        def counted(self, *args, _name=name):
+        def counted(*args, _name=name):
             python_calls.append(_name)
-            return originals[_name](self, *args)
-        setattr(CollectiveOps, name, counted)
+            return originals[_name](*args)
+        setattr(moves, name, counted)
     general = []
     from collectives import running
     real_dispatch = running.dispatch
     running.dispatch = lambda g, op, *a, **k: (general.append(op),
                                                real_dispatch(g, op, *a, **k))[1]
-    real_exchange = pg.transport._exchange   # a phase Python enters (ops._barrier's, for one)
-    pg.transport._exchange = lambda q: (python_calls.append("_exchange"), real_exchange(q))[1]
+    core = pg.transport.core
+    real_exchange = core.exchange   # a phase Python enters (the Python barrier's, for one)
+    core.exchange = lambda q: (python_calls.append("exchange"), real_exchange(q))[1]
     mine = np.arange(6, dtype=np.float32) + 10 * me
     every = np.concatenate([np.arange(6, dtype=np.float32) + 10 * r for r in range(n)])
     sums = sum(every[r * 6:(r + 1) * 6] for r in range(n))
@@ -598,11 +600,11 @@ def _small_moves_job() -> dict:
         res["general"] = list(general)
         # A move the core's `move` did not take (NOT_TAKEN: a dtype or operator it does
         # not know) runs through small_move with the codes Python finds.
-        from backends.shm.ops import OP_ALL_GATHER
+        from backends.shm.codes import OP_ALL_GATHER
         got, seq = np.zeros(6 * n, np.float32), pg._seq
         pg._seq += 1
-        pg.transport._small_move_waits(pg.transport._native_module.MOVE_GATHER, OP_ALL_GATHER, mine, got, -1,
-                             None, mine.nbytes, seq, pg.transport._NOT_TAKEN)
+        core._move_waits(core.mod.MOVE_GATHER, OP_ALL_GATHER, mine, got, -1, None,
+                         mine.nbytes, seq, core.NOT_TAKEN)
         res["not_taken"] = bool(np.array_equal(got, every))
         spare = pg.new_group(list(range(n)))
         try:   # rank 0 expects 2 elements from rank 1, which sends it 1
@@ -629,7 +631,8 @@ def _small_moves_job() -> dict:
             res["mismatch"] = f"{type(exc).__name__}: {exc}"
     finally:
         for name, fn in originals.items():
-            setattr(CollectiveOps, name, fn)
+            setattr(moves, name, fn)
+        running.dispatch = real_dispatch
         pg.close()
     return res
 

@@ -62,7 +62,7 @@ def _placed_job() -> dict:
            "during": sorted(os.sched_getaffinity(0)),
            "thread": sorted(os.sched_getaffinity(thread.native_id))}
     sub = pg.new_group(list(range(pg.size)))
-    res["sub_core"], res["sub_spin"] = sub.transport.bound_core, sub.transport._spin_s
+    res["sub_core"], res["sub_spin"] = sub.transport.bound_core, sub.transport.phases.spin_s
     sub.close()
     pg.barrier()
     pg.close()

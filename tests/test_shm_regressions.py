@@ -187,7 +187,7 @@ def _two_ranks_in_one_process():
     import secrets
     import threading
 
-    from backends.shm.group import ShmBackend
+    from backends.shm.backend import ShmBackend
     job, groups = f"race-{secrets.token_hex(4)}", [None, None]
 
     def open_rank(r):
@@ -208,22 +208,23 @@ def test_a_peer_that_arrived_before_it_closed_is_not_blamed():
     from backends.shm import segment as sg
     from collectives import PeerError
     g0, g1 = _two_ranks_in_one_process()
-    real = g0._u64
+    ph = g0.phases
+    real = ph.u64
     try:
-        q = g0._phase + 1
-        peer_arrived = g0._arrived_idx[1]
-        real[g0._arrived_idx[0]] = q          # rank 0 published its phase
+        q = ph.phase + 1
+        peer_arrived = ph.arrived_idx[1]
+        real[ph.arrived_idx[0]] = q           # rank 0 published its phase
         real[peer_arrived] = q                # rank 1 arrived ...
-        real[g0._state_idx[1]] = sg.STATE_CLOSED  # ... and closed, all while we slept
+        real[ph.state_idx[1]] = sg.STATE_CLOSED   # ... and closed, all while we slept
         # Until the waiter reads the peer's state (CLOSED), it saw the peer not arrived.
-        g0._u64 = _LateArrival(real, peer_arrived, q - 1, g0._state_idx[1])
-        g0._await_slow(q)                     # returns: the peer did its part
-        g0._u64 = real
+        ph.u64 = _LateArrival(real, peer_arrived, q - 1, ph.state_idx[1])
+        ph.await_slow(q)                      # returns: the peer did its part
+        ph.u64 = real
         real[peer_arrived] = q - 1            # a peer that closed without arriving ...
         with pytest.raises(PeerError, match="rank 1 closed the group"):
-            g0._await_slow(q)                 # ... is named
+            ph.await_slow(q)                  # ... is named
     finally:
-        g0._u64 = real
+        ph.u64 = real
         g0.close()
         g1.close()
 
@@ -233,25 +234,26 @@ def test_a_message_sent_before_its_sender_closed_is_received():
     between the receiver's look at the ring (nothing yet) and its read of the peer's
     state (CLOSED). The receiver must look at the ring once more before it blames it."""
     from backends.shm import segment as sg
-    from backends.shm.ops import dtype_code
+    from backends.shm.codes import dtype_code
     g0, g1 = _two_ranks_in_one_process()
-    real, engine = g0._u64, g0._engine
+    ph = g0.phases
+    real, engine = ph.u64, g0.engine
     progress = engine.progress_locked
     try:
         got = np.zeros(3, np.int64)
         op = engine.post_recv(got, 1, 7, dtype_code(got.dtype))
         g1.send_now(np.array([5, 6, 7], np.int64), 0, 7)       # into the ring ...
         g1.close()                                             # ... and closed
-        assert real[g0._state_idx[1]] == sg.STATE_CLOSED
+        assert real[ph.state_idx[1]] == sg.STATE_CLOSED
         # Until the receiver reads the peer's state, its looks at the ring find nothing
         # (no word reads stale here: index -1 is never read; the wrapper only watches).
-        watch = _LateArrival(real, -1, 0, g0._state_idx[1])
-        g0._u64 = watch
+        watch = _LateArrival(real, -1, 0, ph.state_idx[1])
+        ph.u64 = watch
         engine.progress_locked = lambda drain: progress(drain) if watch._state_seen else False
-        g0._p2p_wait(op, None, "recv from rank 1 (tag 7)", 1)
+        g0.core.p2p_wait(op, None, "recv from rank 1 (tag 7)", 1)
         assert got.tolist() == [5, 6, 7]
     finally:
         engine.progress_locked = progress
-        g0._u64 = real
+        ph.u64 = real
         g0.close()
         g1.close()

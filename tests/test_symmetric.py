@@ -62,13 +62,14 @@ def _values(dt: np.dtype, n: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def _spy_in_place(cls, taken: list, bound: list) -> tuple:
-    """Make the group class note in ``taken`` whether each large all_reduce went in
-    place (True) or past a declined vote (False), by either way there: the plain path
-    (``_symmetric_all_reduce``) or a persistent request's round bound on the core
-    (``_symmetric_round``, whose uses are also counted in ``bound``). Returns what to
-    put back."""
-    real, real_round, real_rest = (cls._symmetric_all_reduce, cls._symmetric_round,
-                                   cls._large_reduce_unplaced)
+    """Make the backend class ``cls`` (and its symmetric heap) note in ``taken`` whether
+    each large all_reduce went in place (True) or past a declined vote (False), by either
+    way there: the plain path (``SymmetricHeap.all_reduce``) or a persistent request's
+    round bound on the core (``SymmetricHeap.round``, whose uses are also counted in
+    ``bound``). Returns what to put back."""
+    from backends.shm.symmetric import SymmetricHeap
+    real, real_round, real_rest = (SymmetricHeap.all_reduce, SymmetricHeap.round,
+                                   cls.unplaced_all_reduce)
     declined = []
 
     def spy(self, a, op, seq):
@@ -80,8 +81,8 @@ def _spy_in_place(cls, taken: list, bound: list) -> tuple:
         declined.append(True)
         return real_rest(self, *args)
 
-    def round_spy(self, a, op):
-        round_ = real_round(self, a, op)
+    def round_spy(self, a, op, large, rest):
+        round_ = real_round(self, a, op, large, rest)
         if round_ is None:
             return None
 
@@ -92,13 +93,14 @@ def _spy_in_place(cls, taken: list, bound: list) -> tuple:
             taken.append(len(declined) == before)
         return counted
 
-    cls._symmetric_all_reduce, cls._symmetric_round = spy, round_spy
-    cls._large_reduce_unplaced = rest
+    SymmetricHeap.all_reduce, SymmetricHeap.round = spy, round_spy
+    cls.unplaced_all_reduce = rest
     return real, real_round, real_rest
 
 
 def _unspy(cls, saved: tuple) -> None:
-    cls._symmetric_all_reduce, cls._symmetric_round, cls._large_reduce_unplaced = saved
+    from backends.shm.symmetric import SymmetricHeap
+    SymmetricHeap.all_reduce, SymmetricHeap.round, cls.unplaced_all_reduce = saved
 
 
 def _job() -> dict:
@@ -114,7 +116,7 @@ def _job() -> dict:
                         and not buf.any() and buf.ctypes.data % 64 == 0
                         and buf.flags.writeable)
         pg.barrier()  # every rank unlinked its name once its own alloc returned
-        out["linked"] = [r for r in range(pg.size) if os.path.exists(pg.transport._symmetric_path(0, r))]
+        out["linked"] = [r for r in range(pg.size) if os.path.exists(pg.transport.heap._path(0, r))]
 
         results = []
         for name, op, count, offset in CASES:
@@ -188,7 +190,7 @@ def _job() -> dict:
 
         # The last rank cannot reserve its pages (a full /dev/shm): plain memory on every
         # rank, a warning on it and on the lowest other rank, the all_reduce still right.
-        before = len(pg.transport._symmetric)
+        before = len(pg.transport.heap.table)
         real_fallocate = os.posix_fallocate
 
         def full(fd, offset, length):
@@ -208,17 +210,17 @@ def _job() -> dict:
         pg.all_reduce(b)
         pg.barrier()
         out["fallback"] = {
-            "kept": len(pg.transport._symmetric) == before and plain_buf.ctypes.data % 64 == 0,
+            "kept": len(pg.transport.heap.table) == before and plain_buf.ctypes.data % 64 == 0,
             "sum": bool((b == pg.size * (pg.size + 1) / 2).all()),
             "in_place": taken[:1] == [True],
             "warnings": [str(w.message) for w in caught],
             "linked": [r for r in range(pg.size)
-                       if os.path.exists(pg.transport._symmetric_path(pg.transport._symmetric_count - 1, r))]}
+                       if os.path.exists(pg.transport.heap._path(pg.transport.heap.count - 1, r))]}
 
         from parallel import DDP
         ddp = DDP(torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 4)), pg)
         out["ddp_buckets_shared"] = all(
-            pg.transport._symmetric_place(b.flat.numpy())[0] > 0 for b in ddp.buckets)
+            pg.transport.heap.place(b.flat.numpy())[0] > 0 for b in ddp.buckets)
         taken.clear()
         ddp(torch.randn(8, 64)).sum().backward()
         out["ddp_in_place"] = taken == [True] * len(ddp.buckets)
@@ -260,19 +262,20 @@ def test_all_reduce_in_symmetric_memory(nproc, native):
 
 def _late_job() -> list:
     """Symmetric all_reduces where a rank comes late and the core gives up on every
-    first wait at once (``_wait_budget`` 0): Python waits the vote phase and the last one
+    first wait at once (``wait_budget`` 0): Python waits the vote phase and the last one
     out, and the core resumes after the vote."""
     pg = collectives.init_process_group()
-    pg.transport._wait_budget = 0.0
+    pg.transport.core.wait_budget = 0.0
     cls = type(pg.transport)
-    real_settle = cls._settle
+    core_cls = type(pg.transport.core)
+    real_settle = core_cls.settle
     settled, in_place, bound = [], [], []
 
     def settle(self, q, again, status):
         settled.append(q)
         return real_settle(self, q, again, status)
 
-    cls._settle = settle
+    core_cls.settle = settle
     saved = _spy_in_place(cls, in_place, bound)
     try:
         a = pg.alloc_symmetric(1 << 20).view(np.float32)
@@ -288,7 +291,7 @@ def _late_job() -> list:
                 pg.all_reduce(a)
             right.append(bool((a == sum(r + i for r in range(pg.size))).all()))
     finally:
-        cls._settle = real_settle
+        core_cls.settle = real_settle
         _unspy(cls, saved)
         native = pg.transport.native
         pg.close()
@@ -308,7 +311,7 @@ def test_late_ranks_and_waits_past_the_core_budget(nproc):
 def _sym_mappings(pg) -> list:
     """The indexes of the symmetric buffers of ``pg`` that this process maps (its own or
     a peer's), one entry per mapping, sorted."""
-    stem = os.path.basename(pg.transport._symmetric_path(0, 0)).rsplit(".sym", 1)[0] + ".sym"
+    stem = os.path.basename(pg.transport.heap._path(0, 0)).rsplit(".sym", 1)[0] + ".sym"
     found = []
     with open("/proc/self/maps") as maps:
         for line in maps:
@@ -343,7 +346,7 @@ def _released_job() -> dict:
             del req
         out["right"], out["in_place"] = right, in_place
         out["mapped"] = _sym_mappings(pg)          # this one's and the last one's
-        out["table"] = (len(pg.transport._symmetric), sum(1 for e in pg.transport._symmetric if e[1]))
+        out["table"] = (len(pg.transport.heap.table), sum(1 for e in pg.transport.heap.table if e[1]))
         # Every rank lets a buffer go and maps plain memory at once: the kernel hands out
         # the same range, and an array there is in no buffer (it was taken for one in
         # the old buffer, and reduced with the peers' old copies, before entries were
@@ -355,7 +358,7 @@ def _released_job() -> dict:
         x = np.frombuffer(plain, np.float32)
         x[:] = pg.rank + 1
         pg.all_reduce(x)
-        out["reused"] = (x.ctypes.data == address, pg.transport._symmetric_place(x),
+        out["reused"] = (x.ctypes.data == address, pg.transport.heap.place(x),
                          bool((x == sum(range(1, pg.size + 1))).all()))
         del x
         # Rank 0 lets its copy of the last buffer go; the others still reduce in it.
@@ -404,8 +407,9 @@ def _two_groups_job() -> dict:
         pg.all_reduce(a)
         pair.all_reduce(b)
         right += [bool((a == 1 + 2 * i).all()), bool((b == 30.0).all())]
-    out = {"right": right, "places": (len(pg.transport._symmetric_places), len(pair.transport._symmetric_places)),
-           "shared": (type(pg.transport)._symmetric_places, type(pg.transport)._symmetric_plans)}
+    out = {"right": right, "places": (len(pg.transport.heap.places), len(pair.transport.heap.places)),
+           "shared": pg.transport.heap.places is pair.transport.heap.places
+           or pg.transport.heap.plans is pair.transport.heap.plans}
     pair.close()
     pg.close()
     return out
@@ -413,7 +417,7 @@ def _two_groups_job() -> dict:
 
 def test_each_group_keeps_its_own_plans_by_place():
     for res in collectives.spawn(_two_groups_job, 2, backend="shm", timeout=30):
-        assert res == {"right": [True] * 6, "places": (1, 1), "shared": ({}, {})}, res
+        assert res == {"right": [True] * 6, "places": (1, 1), "shared": False}, res
 
 
 def _one_rank() -> tuple:
@@ -456,7 +460,7 @@ def test_default_is_plain_aligned_memory():
 def _refused_push_job() -> dict:
     """Rank 0 has (as far as its state word says) left the call with an error after it
     voted: rank 1 must not push its reduced piece into rank 0's buffer, and raises a
-    PeerError naming rank 0 (backends/shm/pushing.py)."""
+    PeerError naming rank 0 (Phases.push_into)."""
     from backends.shm import segment as sg
     from collectives import CollectiveError
     pg = collectives.init_process_group()
@@ -468,7 +472,7 @@ def _refused_push_job() -> dict:
     pg.barrier()
     out = {"native": g.transport.native}
     if pg.rank == 0:
-        g.transport._u64[g.transport._state_idx[0]] = sg.STATE_FAILED
+        g.transport.phases.u64[g.transport.phases.state_idx[0]] = sg.STATE_FAILED
     else:
         time.sleep(0.3)                   # rank 0 votes first, rank 1 sees it arrived
     try:

@@ -81,10 +81,9 @@ groups still open. If the program initialised MPI itself, its thread level is ke
 oversubscription (more local ranks than usable cores) MPICH's own blocking loops
 (``Comm.Create_group``, ``MPI_Finalize``, and any raw mpi4py call of the program) are made
 to yield with ``MPIR_CVAR_CH4_PROGRESS_THROTTLE=1`` and ``MPIR_CVAR_ENABLE_HEAVY_YIELD=1``
-unless already set (measured with 4 ranks on 2 cores, one rank away: each rank blocked in
-``MPI_Barrier`` burns 0.25 instead of 0.9 CPU-seconds per second; this module's own waits
-burn about 0.05). With spare cores they are left alone: there they slow a 4-byte
-``MPI_Allreduce`` between 2 ranks from ~4 us to ~250 us. ``COLLECTIVES_MPI_TUNE=0`` leaves
+unless already set, so a rank blocked in MPICH leaves most of its core to the rank it
+waits for. With spare cores they are left alone: there they slow MPICH's small
+collectives by tens of times (docs/performance.md). ``COLLECTIVES_MPI_TUNE=0`` leaves
 MPICH's settings alone.
 
 Groups. The world is a duplicate of ``MPI.COMM_WORLD`` (so several worlds and user code

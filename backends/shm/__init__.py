@@ -10,28 +10,33 @@ How it works, module by module:
   all are attached, so nothing is left in /dev/shm even after a SIGKILL.
 - ``futex``: waiting. Spin, ``sched_yield`` for a while (how long: ``native.wait_policy``,
   by the cores per rank), then sleep in the kernel on this rank's doorbell word
-  (FUTEX_WAIT, in slices of at most 200 ms, so deadlines and peer liveness are checked). ``COLLECTIVES_SHM_WAIT=sleep``
-  replaces the futex with sleeps growing to 1 ms.
-- ``ops``: the collectives, a phase protocol over two banks of per-rank slots (no atomics:
-  every shared word has one writer). Messages larger than a slot are chunked, so any size
-  runs in a fixed footprint. Reductions combine inputs in rank order through
-  ``collectives.reduce_op``: bitwise-identical results on every rank.
-- ``reduce``: all_reduce and reduce: one phase for small messages; above 32 KiB a
-  reduce-scatter + all-gather pipelined one chunk per phase, each rank reducing its piece
-  straight from its own array and the peers' slots (a single copy in).
+  (FUTEX_WAIT, in slices of at most 200 ms, so deadlines and peer liveness are
+  checked); ``COLLECTIVES_SHM_WAIT=sleep`` replaces the futex with sleeps growing to 1 ms.
+- ``codes`` and ``phases``: the protocol, phases over two banks of per-rank slots (no
+  atomics: every shared word has one writer), fingerprints that catch mismatched calls,
+  and every wait and error.
+- ``core`` and ``native_core``: the two paths, one interface: numpy over the segment
+  (``PythonCore``) and the compiled core (``NativeCore``, over ``_native.c``, built by
+  the package's own build where a C compiler is present). They speak the same protocol
+  (same layout, phases, fingerprints, doorbells, rings); the compiled one takes over the
+  hot loops: publishing and waiting for a phase (C11 release/acquire, spin then
+  ``sched_yield`` then FUTEX_WAIT, the GIL released), the one-phase collectives, the
+  rank-order reductions of every dtype, and whole point-to-point messages when nothing
+  else is queued on their ring. Python keeps every error. Without it, or with
+  ``COLLECTIVES_SHM_NATIVE=0``, the Python path runs (a warning says so once when the
+  core is missing); ``pg.transport.native`` tells which.
+- ``moves`` and ``reduce``: the collectives as loops over phases, for any size: messages
+  larger than a slot are chunked, so any size runs in a fixed footprint; all_reduce above
+  32 KiB is a reduce-scatter + all-gather pipelined one chunk per phase. Reductions
+  combine inputs in rank order: bitwise-identical results on every rank.
+- ``cma`` and ``symmetric``: the large all_reduce in place, reading the peers' arrays
+  through the kernel (single copy) or their symmetric buffers.
 - ``channels``: point to point, one byte ring per ordered pair of ranks, MPI-style tag
   matching with an unexpected-message queue.
-- ``group``: ``ShmBackend`` itself (waits, errors, sub-groups, lifetime).
-- ``placement``: one core per rank when the ranks outnumber the cores (``pg.bound_core``).
-- ``_native`` (``_native.c``), ``native``, ``native_ops``: the compiled core, built by
-  the package's own build where a C compiler is present. It speaks the same protocol
-  (same layout, phases, fingerprints, doorbells, rings) and takes over the hot loops:
-  publishing and waiting for a phase (C11 release/acquire, spin then ``sched_yield``
-  then FUTEX_WAIT, the GIL released), the one-phase small reduce, the rank-order
-  reductions of every dtype, and whole point-to-point messages when nothing else is
-  queued on their ring. Python keeps every error. Without it, or with
-  ``COLLECTIVES_SHM_NATIVE=0``, the Python path runs (a warning says so once when the
-  core is missing); ``pg.native`` tells which.
+- ``backend``: ``ShmBackend`` itself, made of the parts above (paths, sub-groups,
+  lifetime, abort).
+- ``placement``: one core per rank when the ranks outnumber the cores
+  (``pg.transport.bound_core``).
 
 Shared memory per group of n ranks: 2 x n x S bytes of data banks (S =
 ``COLLECTIVES_SHM_CHUNK_BYTES``, default 1 MiB: 8 MiB for 4 ranks, whatever the message
@@ -61,7 +66,7 @@ from __future__ import annotations
 from collectives.launch import Rendezvous
 
 from . import placement
-from .group import ShmBackend
+from .backend import ShmBackend
 
 __all__ = ["ShmBackend", "create"]
 
@@ -77,10 +82,8 @@ def create(rendezvous: Rendezvous, timeout: float) -> ShmBackend:
     # Placed first, so that the wait policy sees where the rank will run.
     place = placement.Placement(rendezvous.rank, size)
     try:
-        group = ShmBackend.open(rendezvous.job_id, "world", rendezvous.rank, size, timeout,
-                              tuple(range(size)))
+        return ShmBackend.open(rendezvous.job_id, "world", rendezvous.rank, size, timeout,
+                               tuple(range(size)), place)
     except BaseException:
         place.release()
         raise
-    group._placement = place
-    return group

@@ -508,7 +508,7 @@ static int wait_checked(Group *g, uint64_t q, uint64_t fp0, uint64_t fp1, double
     return status == DONE && !fingerprints_match(g, q, fp0, fp1) ? MISMATCH : status;
 }
 
-/* Word 0 of a phase's fingerprint: ops.py's fingerprint(), computed alike. */
+/* Word 0 of a phase's fingerprint: codes.py's fingerprint(), computed alike. */
 static uint64_t fingerprint0(int opcode, int op, int code, int root, uint64_t seq) {
     return (uint64_t)(opcode & 0xF) | ((uint64_t)(op & 0xF) << 4)
            | ((uint64_t)(code & 0xFF) << 8) | ((uint64_t)((root + 1) & 0xFFFF) << 16)
@@ -713,7 +713,7 @@ fail_seq:
  * this rank's W_PUSHING word, then load r's state; 0 where r has failed or closed (write
  * nothing), 1 where the write may go ahead (then call push_end after it). A rank that
  * leaves with an error stores its failed state, then loads every peer's W_PUSHING and
- * waits while one names it (pushing.py's _await_pushers): one of the two sees the other. */
+ * waits while one names it (phases.py's Phases.await_pushers): one of the two sees the other. */
 static int push_begin(Group *g, int r) {
     atomic_store_explicit(word(g, g->rank, W_PUSHING), (uint64_t)r + 1, memory_order_seq_cst);
     uint64_t state = atomic_load_explicit(word(g, r, W_STATE), memory_order_seq_cst);
@@ -833,7 +833,7 @@ static PyObject *G_small_reduce(Group *g, PyObject *const *args, Py_ssize_t narg
 }
 
 /* The one-phase moves of the gather and scatter families, each a whole collective whose
- * message fits a slot (ops.py's Python path, in one call). `m` bytes are one rank's part.
+ * message fits a slot (core.py's PythonCore path, in one call). `m` bytes are one rank's part.
  *   M_GATHER:  every rank publishes `inp` (m bytes); a rank given `out` (n x m) copies
  *              slot r into part r (all_gather everywhere, gather at the root).
  *   M_BROADCAST: the root publishes `inp`; every other rank copies its slot into `out`.
@@ -962,7 +962,7 @@ static PyObject *G_small_move(Group *g, PyObject *const *args, Py_ssize_t nargs)
     return status < 0 ? PyErr_NoMemory() : PyLong_FromLong(status);
 }
 
-/* The all_to_all's first phase (ops.py's _all_to_all_impl, word for word): each rank's
+/* The all_to_all's first phase (moves.py's all_to_all, word for word): each rank's
  * slot holds its 2n counts (int64: what it sends to each rank, then what it expects from
  * each) and, from byte `head` on, its whole input where it fits the rest of the slot.
  * a2a_take, once the phase is done: DONE with this rank's parts copied into `out`;
@@ -1088,7 +1088,7 @@ static PyObject *G_all_to_all_take(Group *g, PyObject *const *args, Py_ssize_t n
  * (bind_codes): small_all_reduce tells its arguments by them without Python. */
 static PyObject *REDUCE_OPS[R_MAX + 1];
 static PyObject *DTYPE_CODES_BY_DTYPE;
-#define OP_ALL_REDUCE_CODE 3   /* ops.py's OP_ALL_REDUCE (native.py checks it) */
+#define OP_ALL_REDUCE_CODE 3   /* codes.py's OP_ALL_REDUCE (native.py checks it) */
 
 /* The code (1..R_MAX) of a ReduceOp member, by identity; 0 for anything else. */
 static int redop_code(PyObject *o) {
@@ -1109,9 +1109,9 @@ static int dtype_code_of(PyObject *arr, int *code) {
     return arg_int(found, code) < 0 ? -1 : 1;
 }
 
-/* small_all_reduce(a, op, seq, budget) -> status, or NOT_TAKEN: the whole all_reduce hook
- * of a one-phase message, called by the base class's fast path (through one line of
- * Python: shm's NativePaths._use_native). Finds the codes of `a`'s dtype and of `op`,
+/* small_all_reduce(a, op, seq, budget) -> status, or NOT_TAKEN: the whole all_reduce
+ * of a one-phase message, called by the group's fast path (through one line of
+ * Python: NativeCore.all_reduce). Finds the codes of `a`'s dtype and of `op`,
  * enters the next phase (the `phase` member), computes the fingerprint Python's
  * _small_reduce_native would, and runs small_phase. NOT_TAKEN (nothing done, the phase
  * unchanged) for an array past `small_limit` or a dtype or operator it does not know:
@@ -1146,10 +1146,10 @@ static PyObject *G_small_all_reduce(Group *g, PyObject *const *args, Py_ssize_t 
 }
 
 /* move(kind, opcode, inp, out, seq, root, op, budget) -> status as exchange, or
- * NOT_TAKEN: a whole one-phase move for ops.py's hooks (native_ops.py's _small_move),
+ * NOT_TAKEN: a whole one-phase move for moves.py's functions (NativeCore.move),
  * as small_all_reduce is the all_reduce's: finds the dtype code of the array given (inp,
  * else out) and the code of `op` (a ReduceOp member, or None), enters the next phase
- * (`phase`), computes the fingerprint Python's _start would (fp1: one rank's part) and
+ * (`phase`), computes the fingerprint Phases.start would (fp1: one rank's part) and
  * runs move_phase. NOT_TAKEN (nothing done, the phase unchanged) for a dtype or an
  * operator it does not know: Python computes them and calls small_move. Any other
  * status but DONE: Python waits the phase out. */
@@ -1175,9 +1175,9 @@ static PyObject *G_move(Group *g, PyObject *const *args, Py_ssize_t nargs) {
     return status < 0 ? PyErr_NoMemory() : PyLong_FromLong(status);
 }
 
-/* barrier(opcode, seq, budget) -> status as exchange: a whole barrier hook (one empty
+/* barrier(opcode, seq, budget) -> status as exchange: a whole barrier (one empty
  * phase) in one call, as small_all_reduce is the all_reduce's: enters the next phase
- * (`phase`), publishes the fingerprint Python's _start would give it (no dtype, no
+ * (`phase`), publishes the fingerprint Phases.start would give it (no dtype, no
  * root, 0 bytes), waits and compares. Any status but DONE: Python waits the phase out. */
 static PyObject *G_barrier(Group *g, PyObject *const *args, Py_ssize_t nargs) {
     int opcode;
@@ -1919,7 +1919,7 @@ PyMODINIT_FUNC PyInit__native(void) {
         Py_DECREF(m);
         return NULL;
     }
-    /* What this file assumes of segment.py, ops.py and reduce.py; native.py checks it at
+    /* What this file assumes of segment.py, codes.py and reduce.py; native.py checks it at
      * import. */
     PyModule_AddObject(m, "LAYOUT", Py_BuildValue("(iiiiiiiii)", CTRL_STRIDE, W_ARRIVED, W_FP,
                                                   W_STATE, W_SLEEPERS, W_PUSHING, BELL_BYTE,

@@ -110,7 +110,7 @@ class Engine:
                  where: Callable[[str], str], dtype_name: Callable[[int], str],
                  core=None) -> None:
         lay: Layout = seg.layout
-        # The compiled core (native_ops), or None: it moves a whole message in one call
+        # The compiled core (native.py's module), or None: it moves a whole message in one call
         # when nothing else is queued on that ring (same bytes, same counters).
         self._core = core if size > 1 else None
         self.rank, self.size = rank, size
@@ -128,7 +128,7 @@ class Engine:
                           for s in range(size)]
         self._out_head = [lay.head_word(rank, d) for d in range(size)]
         self._out_tail = [lay.tail_word(rank, d) for d in range(size)]
-        self._in_head = [lay.head_word(s, rank) for s in range(size)]
+        self.in_head = [lay.head_word(s, rank) for s in range(size)]
         self._in_tail = [lay.tail_word(s, rank) for s in range(size)]
         # Our own counters, cached (we are their only writer).
         self._heads = [0] * size
@@ -156,7 +156,7 @@ class Engine:
         """``(send_now, recv_now)`` for the fast path's blocking send and receive with
         the core: closures over this engine's state, so that a call costs one Python
         frame and one C call when the ring allows. What the ring does not allow goes to
-        ``post_send``/``post_recv`` (the group's ``_isend``/``_irecv``) and their wait.
+        ``post_send``/``post_recv`` (the backend's ``isend``/``irecv``) and their wait.
 
         ``send_now(array, dst, tag)`` puts the whole message into the ring to ``dst``
         if nothing of ours waits on that ring and it fits now.
@@ -395,7 +395,7 @@ class Engine:
 
     def _pull(self, src: int, drain: bool) -> bool:
         tail = self._tails[src]
-        avail = self._u64[self._in_head[src]] - tail
+        avail = self._u64[self.in_head[src]] - tail
         if avail == 0 and self._incoming[src] is None:
             return False
         ring = self._in_rings[src]

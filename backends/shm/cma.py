@@ -35,7 +35,7 @@ A rank that leaves with an error instead (a timeout, a failed peer, a failed cop
 have peers still writing into its array: before each block it writes, a peer stores
 whom it writes into (``W_PUSHING``) and then checks that this rank has not failed, and
 this rank marks itself failed and then waits for any block in flight into it before it
-raises (``pushing.py``, at most the group's timeout). So nothing is written into an
+raises (``Phases.await_pushers``, at most the group's timeout). So nothing is written into an
 array once its call has returned, error or not, unless a peer stops in the middle of a
 block for longer than the timeout (``tests/test_shm_cma.py`` has a rank write 2.5 s late).
 
@@ -56,6 +56,7 @@ import errno
 import os
 import sys
 import time
+from typing import Any, Optional
 
 import numpy as np
 
@@ -63,17 +64,12 @@ from collectives import settings
 from collectives.errors import CollectiveError, PeerError
 from collectives.reduce_op import ReduceOp
 
-from .ops import _DTYPE_CODE, _REDOP_BY_ID, OP_ALL_REDUCE, piece_bounds
+from .codes import OP_ALL_REDUCE, piece_bounds
 
 #: all_reduce messages of at least this many bytes, times ``size // 2``, read the peers'
-#: memory directly where the group votes for it (cma_from_bytes). Measured on 2 cores,
-#: the paths timed in turn: on the machine the path was built on (reading the reduced
-#: pieces back, before they were pushed) staging was 13% faster at 1 MiB (336 vs 384 us,
-#: 320 vs 366 us), even at 1.5 MiB, 10-25% slower from 2 MiB; on a later VM, pushing,
-#: the two tied at 1 MiB (131-133 vs 125-142 us) and the single copy won from 1.5 MiB. At
-#: 4 ranks (oversubscribed) on that VM, staging kept 1 and 2 MiB (483-494 vs 502-517 us,
-#: 957-999 vs 991-996) and the single copy won from 4 MiB (1.49-1.51 vs 1.76-1.78 ms; 8
-#: MiB 2.63-2.69 vs 3.49-3.55): the line times ``size // 2``.
+#: memory directly where the group votes for it (cma_from_bytes): below it staging's
+#: copies stay in cache and win; the line grows with the ranks because each rank's share
+#: of the kernel's copies does (measured in docs/performance.md).
 CMA_ALL_REDUCE_BYTES = 3 << 19
 #: ``0``: this rank votes against the single-copy path (and so turns it off for its
 #: groups); ``1``: for it from ``cma_min_bytes(n)``, whatever the kernel's speed; unset:
@@ -92,20 +88,8 @@ CMA_MAX_COST = 1.25
 #: The kernel's copy has a cost per page that memcpy of a message in cache does not;
 #: against memcpy of a larger one, which goes to memory, it catches up, and staging
 #: costs more than its bytes say there (a phase per chunk, chunks that leave the cache).
-#: Measured on 2-vCPU VMs (two ranks, float32 sum, the paths in turn in one session):
-#:
-#: - the kernel's copy 1.5-1.8 times memcpy at 1 MiB, 1.2-1.37 at 2 MiB, 1.2-1.3 at 4
-#:   MiB (each rank of a fresh job timing it): the single copy took 1.5 MiB in 189 us
-#:   against 198-223 staged, 2 MiB in 230-251 against 269-299, 4 MiB in 375-385 against
-#:   527-602 (MPI's 508-627), 16 MiB in 1.19 ms against 2.1-2.3;
-#: - on the VM before it, 1.6-1.8 times at 1 MiB, 1.3 at 4 MiB and 1.0-1.1 at 8 MiB: the
-#:   single copy then (reading the reduced pieces back rather than pushing them, 20-25%
-#:   slower than now) tied staging at 4 MiB and won by 1.3-1.7 times at 16 MiB;
-#: - on the VM of the README's first figures, 3.5-5 times at 1 MiB: staging won at every
-#:   size.
-#:
-#: Only the read is timed: a write through the kernel cost the same or less (on the VM
-#: of the first point, 1.6 against 1.7 times memcpy at 2 MiB, 1.06 against 1.32 at 4).
+#: Only the read is timed: a write through the kernel costs the same or less. The
+#: measurements behind the rungs are in docs/performance.md.
 SPEED_LADDER = (
     (1 << 20, CMA_MAX_COST, CMA_ALL_REDUCE_BYTES),
     (2 << 20, 1.4, 2 << 20),
@@ -177,107 +161,115 @@ def cma_min_bytes(size: int) -> int:
     return CMA_ALL_REDUCE_BYTES * max(1, size // 2)
 
 
-class CmaReduce:
-    """Mixed into ShmGroup: ``_cma_all_reduce``. ``_cma`` is None until the group's first
-    large all_reduce decided, then True or False alike on every rank."""
+class SingleCopy:
+    """One group's single-copy all_reduce (see the module docstring): whether the group
+    decided for it (``decided``: None until its first large all_reduce, then True or
+    False alike on every rank) and from which size (``min_bytes``, raised alike on every
+    rank by the votes). ``owner`` is the backend, ``phases`` and ``core`` its protocol
+    and path, ``mod`` the compiled core's module (None: this rank cannot read its
+    peers' memory and votes against)."""
 
-    _cma = None
+    def __init__(self, owner: Any, phases: Any, core: Any, mod: Any) -> None:
+        self.owner, self.ph, self.core, self.mod = owner, phases, core, mod
+        self.decided: Optional[bool] = None
+        self.min_bytes = cma_min_bytes(owner.size)
 
-    def _cma_line(self) -> int:
+    def line(self) -> int:
         """This rank's vote in phase 1: the smallest message it reads its peers' memory
         for (0: none, it cannot or must not)."""
-        if not (self._native is not None and sys.platform.startswith("linux")
-                and all(self._pid_checkable[r] for r in self._peers)):
+        ph = self.ph
+        if not (self.mod is not None and sys.platform.startswith("linux")
+                and all(ph.pid_checkable[r] for r in ph.peers)):
             return 0
         setting = settings.SHM_CMA.get()
         if setting == "0":
             return 0
         if setting == "1":
-            return cma_min_bytes(self.size)
+            return cma_min_bytes(ph.size)
         # The process's line is for two ranks; more ranks move it up as they do the
         # lowest one (cma_min_bytes; measured at CMA_ALL_REDUCE_BYTES).
-        return cma_from_bytes(self._native_module) * max(1, self.size // 2)
+        return cma_from_bytes(self.mod) * max(1, ph.size // 2)
 
-    def _cma_all_reduce(self, a: np.ndarray, op: ReduceOp, seq: int) -> bool:
+    def all_reduce(self, a: np.ndarray, op: ReduceOp, seq: int) -> bool:
         """all_reduce of the flat ``a`` through the peers' memory; False (having agreed
         on it with every rank) where the pipelined path must run instead.
 
         From the moment this rank publishes the address of ``a``, peers may write into
         it (the reduced pieces they own), so this rank leaves only when none does any
         more: by the last phase (every rank finished), or, on an error, through the
-        caller's ``_fail`` (every caller has one), which marks it failed (a peer checks
-        that before every block it writes) and waits for a block in flight
-        (``pushing.py``)."""
-        n, me = self.size, self.rank
-        self._start(OP_ALL_REDUCE, seq, a.dtype, a.nbytes, -1, op)
-        q = self._enter()
-        words = self._sv(q & 1, me, np.uint64)
+        caller's ``Phases.fail`` (every caller has one), which marks it failed (a peer
+        checks that before every block it writes) and waits for a block in flight."""
+        ph, core = self.ph, self.core
+        n, me = ph.size, ph.rank
+        ph.start(OP_ALL_REDUCE, seq, a.dtype, a.nbytes, -1, op)
+        q = ph.enter()
+        words = ph.sv(q & 1, me, np.uint64)
         words[0] = a.ctypes.data
-        words[1] = self._cma_line()
-        self._exchange(q)
-        published = [self._sv(q & 1, r, np.uint64) for r in range(n)]
+        words[1] = self.line()
+        core.exchange(q)
+        published = [ph.sv(q & 1, r, np.uint64) for r in range(n)]
         addrs = [int(w[0]) for w in published]
         lines = [int(w[1]) for w in published]
         if not all(lines):
-            self._cma = False
+            self.decided = False
             return False
         line = max(lines)   # (the same words on every rank: the same line everywhere)
-        self._cma_bytes = max(self._cma_bytes, line)
+        self.min_bytes = max(self.min_bytes, line)
         if a.nbytes < line:
             return False
-        if self._cma is None:
-            self._cma = self._cma_probe(self._native_module, addrs)
-            if not self._cma:
+        if self.decided is None:
+            self.decided = self._probe(addrs)
+            if not self.decided:
                 return False
         itemsize = a.itemsize
         k0, k1 = piece_bounds(a.size, n, itemsize)[me]
         if k1 > k0:
-            rc = self._native.cma_reduce(a[k0:k1], self._pids,
-                                         [x + k0 * itemsize for x in addrs],
-                                         _DTYPE_CODE.get(a.dtype, 0), _REDOP_BY_ID[id(op)])
-            self._cma_check(rc, "reading the peers' pieces or writing them the result")
-        self._exchange(self._enter())
+            rc = core.cma_reduce(a[k0:k1], ph.pids, [x + k0 * itemsize for x in addrs], op)
+            self._check(rc, "reading the peers' pieces or writing them the result")
+        core.exchange(ph.enter())
         return True
 
-    def _cma_probe(self, mod, addrs: list) -> bool:
+    def _probe(self, addrs: list) -> bool:
         """Phase 2 of a group's first single-copy all_reduce: can every rank read a byte
         of every peer's array, and write through the kernel at all? Decided alike on
         every rank. The write goes to this rank's own memory: the kernel checks a write
         into a peer exactly as a read of it (ptrace access mode ATTACH for both), while a
         seccomp filter may allow one call and not the other; and nothing may be written
         into a peer that could have left the call."""
+        ph, mod = self.ph, self.mod
         probe, target = np.zeros(1, np.uint8), np.zeros(1, np.uint8)
-        ok = all(mod.cma_read(probe, self._pids[r], addrs[r]) == 0 for r in self._peers) \
+        ok = all(mod.cma_read(probe, ph.pids[r], addrs[r]) == 0 for r in ph.peers) \
             and mod.cma_write(probe, os.getpid(), target.ctypes.data) == 0
-        q = self._enter()
-        self._sv(q & 1, self.rank, np.uint64)[0] = int(ok)
-        self._exchange(q)
-        return all(int(self._sv(q & 1, r, np.uint64)[0]) for r in range(self.size))
+        q = ph.enter()
+        ph.sv(q & 1, ph.rank, np.uint64)[0] = int(ok)
+        self.core.exchange(q)
+        return all(int(ph.sv(q & 1, r, np.uint64)[0]) for r in range(ph.size))
 
-    def _cma_check(self, rc: int, what: str) -> None:
+    def _check(self, rc: int, what: str) -> None:
         """Raise for a failed copy: PeerError for a peer that failed or closed (the core's
         ECANCELED: it stopped writing into it) or that is gone (the kernel's ESRCH),
         else CollectiveError with the kernel's reason."""
         if not rc:
             return
+        ph = self.ph
         if rc == -errno.ECANCELED:
-            self._raise_failed_peer()
+            ph.raise_failed_peer()
         if rc == -errno.ESRCH:
             # The peer's memory is gone: it is exiting. Name it once it is a zombie, as
             # the other ranks' own liveness checks will, so that every rank names the
             # dead one (this rank's failure, published now, would name this rank).
             deadline = time.monotonic() + _EXIT_GRACE
             while time.monotonic() < deadline:
-                self._raise_if_a_peer_died(self._op_name, self._op_seq)
+                ph.raise_if_a_peer_died(ph.op_name, ph.op_seq)
                 time.sleep(0.002)
             probe = np.zeros(1, np.uint8)
-            gone = [r for r in self._peers
-                    if self._native_module.cma_read(probe, self._pids[r], 0) == -errno.ESRCH]
+            gone = [r for r in ph.peers
+                    if self.mod.cma_read(probe, ph.pids[r], 0) == -errno.ESRCH]
             if gone:
-                raise PeerError(f"{self.where(self._op_name)} (seq {self._op_seq}): rank "
-                                f"{gone[0]} (pid {self._pids[gone[0]]}) is exiting",
+                raise PeerError(f"{ph.owner.where(ph.op_name)} (seq {ph.op_seq}): rank "
+                                f"{gone[0]} (pid {ph.pids[gone[0]]}) is exiting",
                                 peer=gone[0])
         raise CollectiveError(
-            f"{self.where(self._op_name)} (seq {self._op_seq}): {what} failed: "
+            f"{ph.owner.where(ph.op_name)} (seq {ph.op_seq}): {what} failed: "
             f"{os.strerror(-rc)} (with {CMA_ENV}=0 on any rank its groups stage through "
             f"shared memory instead)")

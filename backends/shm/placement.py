@@ -2,11 +2,9 @@
 
 With more ranks than cores (4 ranks on 2 cores), every collective hands the cores from
 rank to rank, and left to itself the kernel moves the ranks between cores as they do.
-Some jobs then settle into a slow rhythm that lasts the whole job: on a 2-vCPU host, a
-4-byte all_reduce after a barrier (what ``collectives.bench`` times) took a median of
-8.8 and 11.1 us over two series of 16 unbound jobs, but up to 17.1 and 19.2 us in the
-worst job; bound one rank per core, 9.2 and 8.6 us, at worst 12.1 and 11.8
-(``python benchmarks/shm_placement.py --jobs 16`` alternates the two). So the world
+Some jobs then settle into a slow rhythm that lasts the whole job: the median is no
+better bound, but the worst jobs are (docs/performance.md;
+``python benchmarks/shm_placement.py --jobs 16`` alternates the two). So the world
 group binds each rank of an oversubscribed host to one core, round robin over the
 cores this process may use (rank r on the (r mod c)-th), as ``mpiexec -bind-to core``
 would; closing the group gives the process its cores back.

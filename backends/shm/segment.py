@@ -53,7 +53,7 @@ W_STATE = 6        # see STATE_*
 W_PIDNS = 7        # inode of /proc/self/ns/pid (0 if unknown)
 BELL_BYTE = 64     # uint32 doorbell (futex word), second cache line
 W_SLEEPERS = 9     # threads of this rank asleep on its doorbell
-W_PUSHING = 10     # 1 + the rank this rank is writing into (pushing.py), else 0
+W_PUSHING = 10     # 1 + the rank this rank is writing into (Phases.push_into), else 0
 
 #: ``0`` turns off the pid liveness checks (e.g. peers in another PID namespace).
 PID_CHECK_ENV = settings.SHM_PID_CHECK.name

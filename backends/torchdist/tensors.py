@@ -1,5 +1,5 @@
 """Arguments in the form c10d takes them, for the torch backends (:mod:`backends.torchdist`,
-:mod:`backends.torch_nccl`).
+:mod:`backends.torchdist.nccl`).
 
 c10d takes flat tensors: a numpy array becomes a zero-copy ``torch.from_numpy`` view
 (bfloat16 through ``ml_dtypes``), and the data-moving collectives carry every dtype as a

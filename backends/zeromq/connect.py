@@ -54,8 +54,8 @@ MAX_PENDING_HANDSHAKES = 256
 LOST_GRACE_S = 0.05
 #: First retry of a refused connection (the rendezvous, before rank 0 listens), doubled
 #: up to the second value while rank 0 is late (a late rank 0 costs at most that much
-#: more). libzmq's 100 ms made a third of the creations of a 2-rank world take 100-190 ms
-#: instead of ~5 ms (mean 79 ms; with 2 ms: mean 4.7 ms).
+#: more). libzmq's 100 ms default would make a rank that came before rank 0 wait up to
+#: 100 ms more for nothing (docs/performance.md).
 RECONNECT_IVL_MS = 2
 RECONNECT_IVL_MAX_MS = 50
 #: Longest single sleep of a waiter (deadlines and closing are checked between).

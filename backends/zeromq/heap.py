@@ -7,9 +7,8 @@ fresh ``mmap`` until its *dynamic* threshold has seen a block of that size freed
 the top of a heap back to the kernel once more than the *trim* threshold is free there.
 libzmq's I/O thread allocates in its own arena and the backend's thread frees, so the heap's
 top keeps crossing the trim threshold: the next frames land on fresh pages, which the kernel
-faults in and zeroes one 4 KiB page at a time. Measured on a 2-vCPU VM, 2 ranks, 16 MiB
-float32 all_reduce over ipc: 270-1600 page faults per call and 10-12 ms, against 0-70
-faults and 6.0-6.6 ms with the thresholds below (64 MiB: 41-43 ms against 27-30 ms).
+faults in and zeroes one 4 KiB page at a time: hundreds of page faults per large call,
+which the thresholds below remove (docs/performance.md measures both).
 
 :func:`keep_receive_buffers` sets the two thresholds to the largest values glibc's own
 dynamic rule can grow them to (mmap: ``DEFAULT_MMAP_THRESHOLD_MAX``, 32 MiB on a 64-bit

@@ -138,9 +138,9 @@ def pair_all_reduce(links: Links, a: np.ndarray, op: ReduceOp) -> None:
     (rank 1 puts the received operand first), so both hold identical bits.
 
     The same bytes cross the socket as in reduce-scatter + all-gather, in one round instead
-    of two and with no copy out of libzmq's buffers (the all-gather's): on a 2-vCPU VM 1 MiB
-    took 0.78 ms against 0.91-1.04 ms, 128 KiB 0.24-0.29 ms against 0.42-0.53 ms. ``a`` is
-    sent from in place, so the fold starts once libzmq has let go of it."""
+    of two and with no copy out of libzmq's buffers (the all-gather's; docs/performance.md
+    times both). ``a`` is sent from in place, so the fold starts once libzmq has let go of
+    it."""
     if links.size != 2:
         raise ValueError(f"{where(links.rank, links.size, 'all_reduce')}: pair_all_reduce "
                          f"needs a group of two ranks, not {links.size}")

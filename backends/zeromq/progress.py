@@ -87,7 +87,7 @@ class Progress:
     # ======================================================================== monitor
     def _look_at_monitor(self) -> bool:
         """Lock held, token free: :meth:`_monitor_pending`, asked at most once per
-        MONITOR_LOOK_S (a look costs ~1.5 us; the clock ~0.1 us; waiters look anyway)."""
+        MONITOR_LOOK_S (a look costs more than reading the clock; waiters look anyway)."""
         now = time.monotonic()
         if now < self._next_look:
             return False

@@ -188,3 +188,70 @@ def mismatch(group: ProcessGroup, kind: str, odd: int) -> dict:
     except CollectiveError as exc:
         out = summary(exc, t0)
     return out
+
+
+def _caught(fn: Callable[[], Any], t_abort: list) -> dict:
+    """Run ``fn``; what it raised (None: nothing), and how long after the abort (the
+    time in ``t_abort[0]``, once set) it came."""
+    try:
+        fn()
+        return {"type": None}
+    except BaseException as exc:  # noqa: BLE001 - the test reads it
+        now = time.monotonic()
+        return {"type": type(exc).__name__, "message": str(exc),
+                "after_abort_s": now - t_abort[0] if t_abort else None}
+
+
+def abort_in_collective(group: ProcessGroup, how: str, victim: int = 1,
+                        after: float = 0.6) -> dict:
+    """Rank 0 waits in an all_reduce of ``group`` (and a thread of it in one of a
+    sub-group) that ``victim`` does not join: ``victim`` is asleep (``how="asleep"``),
+    stopped by rank 0 with SIGSTOP (``"stopped"``) or SIGKILLed by rank 0 (``"dead"``),
+    and ``after`` seconds in, a third thread of rank 0 calls ``group.abort()``. Rank 0
+    returns what each pending call raised and how long after the abort, how long
+    ``abort()`` took, what later calls raise, and its listening TCP ports before and
+    after; the other ranks what their own all_reduce ended in (bounded by the group's
+    timeout)."""
+    pids = group.all_gather_object(os.getpid())
+    sub = group.new_group(list(range(group.size)))
+    ports_before = listening_ports(group)
+    group.barrier()
+    x = np.ones(1000, np.float32)
+    if group.rank == victim:
+        time.sleep(after + 1.5)   # (stopped or killed meanwhile, or just late)
+        return {"late": _caught(lambda: group.all_reduce(x), [time.monotonic()])}
+    if group.rank != 0:
+        return {"other": _caught(lambda: group.all_reduce(x), [time.monotonic()])}
+    if how == "stopped":
+        os.kill(pids[victim], signal.SIGSTOP)
+    elif how == "dead":
+        os.kill(pids[victim], signal.SIGKILL)
+    t_abort: list = []
+    took: list = []
+
+    def abort() -> None:
+        t0 = time.monotonic()
+        t_abort.append(t0)
+        group.abort()
+        took.append(time.monotonic() - t0)
+
+    sub_result: list = []
+    in_sub = threading.Thread(target=lambda: sub_result.append(
+        _caught(lambda: sub.all_reduce(x.copy()), t_abort)))
+    in_sub.start()
+    timer = threading.Timer(after, abort)
+    timer.start()
+    out = {"pending": _caught(lambda: group.all_reduce(x), t_abort)}
+    timer.join()
+    in_sub.join(10.0)
+    out["sub"] = sub_result[0] if sub_result else {"type": "still waiting"}
+    out["abort_s"] = took[0] if took else None
+    out["later"] = _caught(group.barrier, t_abort)["type"]
+    out["later_sub"] = _caught(sub.barrier, t_abort)["type"]
+    out["later_send"] = _caught(lambda: group.send(x, dst=victim), t_abort)["type"]
+    time.sleep(0.5)   # (libzmq closes its sockets in its own thread)
+    out["ports"] = (ports_before, listening_ports(group))
+    if how == "stopped":
+        os.kill(pids[victim], signal.SIGCONT)
+    group.close()   # (nothing more to do: idempotent after abort)
+    return out
