@@ -57,21 +57,19 @@ class MoEBlock(nn.Module):
 
 
 def moe_classifier(args, group) -> nn.Sequential:
-    """The model with this rank's experts. Every rank draws the whole model from
-    ``args.seed`` (the same replicated weights everywhere) and keeps its share of the
-    experts, so a world of one holds the same network."""
+    """The model with this rank's share of the experts: every rank draws the whole
+    one-process model from ``args.seed`` (the same weights everywhere) and keeps experts
+    ``r*E/n .. (r+1)*E/n - 1`` of each layer (``MoE.from_dense``)."""
     dim, E = args.dim, args.experts
-    per_rank = E // group.size
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(args.seed)
         layers: list = [nn.Linear(28 * 28, dim), nn.GELU()]
         for _ in range(args.layers):
-            router = nn.Linear(dim, E, bias=False)
             experts = [nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
                        for _ in range(E)]
-            mine = experts[group.rank * per_rank:(group.rank + 1) * per_rank]
-            layers.append(MoEBlock(MoE(router, mine, group, top_k=args.top_k,
-                                       capacity_factor=args.capacity_factor)))
+            whole = MoE(nn.Linear(dim, E, bias=False), experts, None, top_k=args.top_k,
+                        capacity_factor=args.capacity_factor)
+            layers.append(MoEBlock(MoE.from_dense(whole, group)))
         layers += [nn.LayerNorm(dim), nn.Linear(dim, 10)]
     return nn.Sequential(*layers)
 

@@ -21,6 +21,7 @@ of its own inputs and its router's share from its own tokens. The routing rules 
 
 from __future__ import annotations
 
+import copy
 import numbers
 from typing import Any, Optional, Sequence
 
@@ -36,6 +37,20 @@ __all__ = ["MoE"]
 _GROUP_ATTRS = ("rank", "size", "all_to_all", "all_gather_object")
 
 
+class _Alone:
+    """The group of ``MoE(..., group=None)``: one rank, so no collective is ever called."""
+
+    rank, size = 0, 1
+
+    def all_to_all(self, *args, **kwargs):   # pragma: no cover - a group of one never calls
+        raise AssertionError("MoE alone: all_to_all called")
+
+    all_gather_object = all_to_all
+
+
+_ALONE = _Alone()
+
+
 class MoE(nn.Module):
     """A mixture-of-experts layer with this rank's share of the experts.
 
@@ -45,7 +60,8 @@ class MoE(nn.Module):
         experts: this rank's E/P expert modules, each mapping (n, dim) -> (n, dim); local
             expert j of rank r is global expert ``r * E/P + j``.
         group: the :class:`collectives.ProcessGroup` of the expert-parallel ranks (P of
-            them; E must be divisible by P).
+            them; E must be divisible by P). None: this process alone holds all E experts
+            (the one-process layer; nothing is sent).
         top_k: experts per token (1..E); each token's output is the sum of its chosen
             experts' outputs weighted by the softmax of their k logits (ties: the lower
             expert index).
@@ -76,6 +92,7 @@ class MoE(nn.Module):
     def __init__(self, router: nn.Module, experts: Sequence[nn.Module], group: Any, *,
                  top_k: int = 2, capacity_factor: Optional[float] = None) -> None:
         super().__init__()
+        group = _ALONE if group is None else group
         check_group(group, "MoE", _GROUP_ATTRS)
         where = self._where = f"[rank {group.rank}/{group.size}] MoE"
         if not isinstance(router, nn.Linear) or router.bias is not None:
@@ -120,6 +137,31 @@ class MoE(nn.Module):
         self.dropped = 0
         self.sent_rows = self.received_rows = 0
         self._check_alike()
+
+    @classmethod
+    def from_dense(cls, moe: "MoE", group: Any) -> "MoE":
+        """This rank's share of a one-process ``moe`` (``group=None``, all E experts): copies
+        of its router and of experts ``r*E/P .. (r+1)*E/P - 1``, the same top_k and
+        capacity_factor. A collective of ``group`` (the layer's construction is).
+
+        Two ranks: ``MoE.from_dense(MoE(router, eight_experts, None), pg)`` holds experts
+        0-3 on rank 0 and 4-7 on rank 1.
+        """
+        if not isinstance(moe, MoE) or moe.group.size != 1:
+            got = (f"an MoE over {moe.group.size} ranks" if isinstance(moe, MoE)
+                   else type(moe).__name__)
+            raise TypeError(f"MoE.from_dense: argument `moe` must be a one-process MoE "
+                            f"(group=None), got {got}")
+        size = 1 if group is None else group.size
+        rank = 0 if group is None else group.rank
+        if moe.num_experts % size:
+            raise ValueError(f"[rank {rank}/{size}] MoE.from_dense: the layer's "
+                             f"E={moe.num_experts} experts are not divisible by the group "
+                             f"size P={size}")
+        share = moe.num_experts // size
+        mine = [copy.deepcopy(e) for e in moe.experts[rank * share:(rank + 1) * share]]
+        return cls(copy.deepcopy(moe.router), mine, group, top_k=moe.top_k,
+                   capacity_factor=moe.capacity_factor)
 
     def _check_alike(self) -> None:
         """``ValueError`` on every rank unless every rank has the same layer (the sizes of
