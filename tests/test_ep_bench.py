@@ -83,6 +83,7 @@ def test_cli_uneven_beside_torch_gloo(tmp_path):
     assert "uneven split sizes" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAVE_MPI, reason="needs mpiexec and mpi4py")
 def test_cli_uneven_zmq_beside_mpi4py(tmp_path):
     proc, rows = _cli(tmp_path, "--backend", "zmq", "--ops", "all_to_all", "--uneven",

@@ -44,7 +44,7 @@ def _check(summary: dict, lines: list, world_size: int, backend: str = "shm") ->
                for line in lines), lines
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_example_trains_with_balanced_experts(nproc):
     summary, lines = _run([sys.executable, "examples/moe.py", "--nproc", str(nproc)])
     _check(summary, lines, nproc)
