@@ -75,6 +75,7 @@ def _check(rows, impls) -> None:
         assert all(f"time_ratio_vs_{peer}" in r for r in ours)
 
 
+@pytest.mark.slow
 def test_cli_uneven_beside_torch_gloo(tmp_path):
     proc, rows = _cli(tmp_path, "--ops", "all_to_all", "--uneven", "--sizes", "4K,64K",
                       "--iters", "3", "--warmup", "1", "--peer", "torch-gloo")
