@@ -10,17 +10,17 @@ split over ``tp`` (parallel.tp), each (pp, tp) replica sharded by FSDP (or DDP) 
     python examples/mesh.py --dp 2 --tp 2 --pp 2 --trace mesh.json  # then ui.perfetto.dev
     python examples/mesh.py --dp 2 --ep 2 --tp 1 --experts 4   # experts over ep, 4 ranks
 
-The ranks form ``DeviceMesh(pg, (dp, pp, tp), ("dp", "pp", "tp"))`` (row-major, as
-torch's ``init_device_mesh``: with 2x2x2, ranks 0 and 1 are one tp pair, 0 and 2 one
-pipeline, 0 and 4 one dp pair). The model (``examples/common/mesh_model.py``) reads each
+The ranks form ``DeviceMesh(pg, (dp, ep, pp, tp), ("dp", "ep", "pp", "tp"))`` (row-major,
+as torch's ``init_device_mesh``; ep is 1 unless given: with 2x1x2x2, ranks 0 and 1 are one
+tp pair, 0 and 2 one pipeline, 0 and 4 one dp pair). The model (``examples/common/mesh_model.py``) reads each
 image as a sequence of its 28 rows: a linear and a position embedding, ``--layers``
 pre-norm ``ParallelTransformerBlock``s (non-causal; heads and MLP features split over tp),
 a LayerNorm, the mean over the rows and a linear head; stage s holds a contiguous run of
 the blocks, the embedding lives on stage 0 and the head on the last. The ranks of one
 (dp) coordinate see the same batch; the dp replicas deal the epoch out (ShardSampler)
 and average the gradients (DDP's all_reduce, or FSDP's all_gathers and reduce_scatters).
-With ``--ep`` > 1 the mesh is ``(dp, ep, pp, tp)``: rank r's ep group holds the E experts
-of every MoE layer between them (E/ep each), the ep ranks train on batches of their own,
+With ``--ep`` > 1 the ranks of one ep group hold the E experts of every MoE layer between
+them (E/ep each), the ep ranks train on batches of their own,
 so the replicated part is averaged over the dp x ep ranks (``mesh.flatten``) and each
 expert's gradient, summed over its ep group's tokens by backward, over the dp ranks and
 divided by dp x ep (``parallel.ep.average_expert_grads``).

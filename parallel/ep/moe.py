@@ -147,13 +147,13 @@ class MoE(nn.Module):
         Two ranks: ``MoE.from_dense(MoE(router, eight_experts, None), pg)`` holds experts
         0-3 on rank 0 and 4-7 on rank 1.
         """
+        size = 1 if group is None else group.size
+        rank = 0 if group is None else group.rank
         if not isinstance(moe, MoE) or moe.group.size != 1:
             got = (f"an MoE over {moe.group.size} ranks" if isinstance(moe, MoE)
                    else type(moe).__name__)
-            raise TypeError(f"MoE.from_dense: argument `moe` must be a one-process MoE "
-                            f"(group=None), got {got}")
-        size = 1 if group is None else group.size
-        rank = 0 if group is None else group.rank
+            raise TypeError(f"[rank {rank}/{size}] MoE.from_dense: argument `moe` must be a "
+                            f"one-process MoE (group=None), got {got}")
         if moe.num_experts % size:
             raise ValueError(f"[rank {rank}/{size}] MoE.from_dense: the layer's "
                              f"E={moe.num_experts} experts are not divisible by the group "
