@@ -1,22 +1,29 @@
-"""Data x pipeline x tensor parallelism on one device mesh: a small transformer classifier
-of MNIST, cut into ``pp`` pipeline stages (parallel.pp), each stage's blocks split over
-``tp`` (parallel.tp), each (pp, tp) replica sharded by FSDP (or DDP) across ``dp``.
+"""Data x pipeline x tensor (x expert) parallelism on one device mesh: a small transformer
+classifier of MNIST, cut into ``pp`` pipeline stages (parallel.pp), each stage's blocks
+split over ``tp`` (parallel.tp), each (pp, tp) replica sharded by FSDP (or DDP) across
+``dp``; with ``--experts``, each block followed by a mixture of experts sharded over ``ep``.
 
     python examples/mesh.py --dp 2 --tp 2 --pp 2               # 8 ranks, shared memory
     python examples/mesh.py --dp 2 --tp 2 --pp 2 --fsdp        # FSDP (ZeRO-3) across dp
     python examples/mesh.py --dp 2 --tp 2                      # 4 ranks, no pipeline
     mpirun -n 8 python examples/mesh.py --dp 2 --tp 2 --pp 2   # backend mpi
     python examples/mesh.py --dp 2 --tp 2 --pp 2 --trace mesh.json  # then ui.perfetto.dev
+    python examples/mesh.py --dp 2 --ep 2 --tp 1 --experts 4   # experts over ep, 4 ranks
 
-The ranks form ``DeviceMesh(pg, (dp, pp, tp), ("dp", "pp", "tp"))`` (row-major, as
-torch's ``init_device_mesh``: with 2x2x2, ranks 0 and 1 are one tp pair, 0 and 2 one
-pipeline, 0 and 4 one dp pair). The model (``examples/common/mesh_model.py``) reads each
+The ranks form ``DeviceMesh(pg, (dp, ep, pp, tp), ("dp", "ep", "pp", "tp"))`` (row-major,
+as torch's ``init_device_mesh``; ep is 1 unless given: with 2x1x2x2, ranks 0 and 1 are one
+tp pair, 0 and 2 one pipeline, 0 and 4 one dp pair). The model (``examples/common/mesh_model.py``) reads each
 image as a sequence of its 28 rows: a linear and a position embedding, ``--layers``
 pre-norm ``ParallelTransformerBlock``s (non-causal; heads and MLP features split over tp),
 a LayerNorm, the mean over the rows and a linear head; stage s holds a contiguous run of
 the blocks, the embedding lives on stage 0 and the head on the last. The ranks of one
 (dp) coordinate see the same batch; the dp replicas deal the epoch out (ShardSampler)
 and average the gradients (DDP's all_reduce, or FSDP's all_gathers and reduce_scatters).
+With ``--ep`` > 1 the ranks of one ep group hold the E experts of every MoE layer between
+them (E/ep each), the ep ranks train on batches of their own,
+so the replicated part is averaged over the dp x ep ranks (``mesh.flatten``) and each
+expert's gradient, summed over its ep group's tokens by backward, over the dp ranks and
+divided by dp x ep (``parallel.ep.average_expert_grads``).
 ``--batch-size`` is the batch of one dp replica per step; with ``--pp`` > 1 it is split
 into ``--microbatches`` micro-batches and run by ``--schedule`` (1f1b or gpipe); the
 gradients accumulate over the micro-batches and dp averages them once per step.
@@ -43,15 +50,17 @@ from torch.utils.data import BatchSampler  # noqa: E402
 import collectives  # noqa: E402
 from examples.common.comm_account import CountingGroup  # noqa: E402
 from examples.common.harness import launch, parse_args, print_summary, progress  # noqa: E402
-from examples.common.mesh_model import (ROWS, predicted_bytes, row_transformer,  # noqa: E402
-                                        stage_pieces, tensor_parallel)
+from examples.common.mesh_model import (ROWS, expert_parallel, moe_traffic,  # noqa: E402
+                                        predicted_bytes, row_transformer, stage_pieces,
+                                        tensor_parallel)
 from examples.common.mnist import load_mnist  # noqa: E402
 from examples.common.trace import Tracer  # noqa: E402
 from parallel import DDP, FSDP, DeviceMesh, ShardSampler  # noqa: E402
+from parallel.ep import MoE, average_expert_grads, replicate_outside_experts  # noqa: E402
 from parallel.pp import PipelineStage, Schedule1F1B, ScheduleGPipe  # noqa: E402
 from parallel.tp import ParallelTransformerBlock  # noqa: E402
 
-NAMES = ("dp", "pp", "tp")
+NAMES = ("dp", "ep", "pp", "tp")
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 EVAL_CHUNK = 250      # test images per pipelined forward in evaluation
 
@@ -60,7 +69,8 @@ def dense_model(args) -> nn.Sequential:
     """The single-process model, initialised from ``args.seed`` (global random state kept)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(args.seed)
-        return row_transformer(args.hidden, args.heads, args.ffn, args.layers)
+        return row_transformer(args.hidden, args.heads, args.ffn, args.layers, args.experts,
+                               args.top_k, args.capacity_factor)
 
 
 def account_table(measured: dict, predicted: dict, mesh: DeviceMesh) -> str:
@@ -76,20 +86,24 @@ def account_table(measured: dict, predicted: dict, mesh: DeviceMesh) -> str:
 # ------------------------------------------------------------------ training
 class _Replica:
     """This rank's part of the model and how one training step runs it: the stage's pieces
-    (blocks split over tp), wrapped in DDP or FSDP over dp, driven by a pipeline schedule
-    when there is more than one stage."""
+    (blocks split over tp, experts over ep), wrapped in DDP or FSDP over the dp (x ep)
+    ranks, driven by a pipeline schedule when there is more than one stage."""
 
     def __init__(self, args, dense: nn.Sequential, mesh: DeviceMesh, groups: dict) -> None:
         self.stage, self.num_stages = mesh.local_rank("pp"), args.pp
         self.first, self.last = self.stage == 0, self.stage == args.pp - 1
         self.hidden = args.hidden
-        split = tensor_parallel(dense, groups["tp"])
-        pieces = nn.Sequential(*(split[i] for i in stage_pieces(args.layers, args.pp,
-                                                                self.stage)))
+        split = expert_parallel(tensor_parallel(dense, groups["tp"]), groups["ep"])
+        self.pieces = nn.Sequential(*(split[i] for i in stage_pieces(args.layers, args.pp,
+                                                                     self.stage)))
+        self.expert_replicas = groups["dp"]        # the ranks that hold the same experts
         if args.fsdp:
-            self.module = FSDP(pieces, groups["dp"], wrap=ParallelTransformerBlock)
+            wrap = lambda m: FSDP(m, groups["dense"], wrap=ParallelTransformerBlock)  # noqa: E731
         else:
-            self.module = DDP(pieces, groups["dp"])
+            wrap = lambda m: DDP(m, groups["dense"])  # noqa: E731
+        self.module = replicate_outside_experts(self.pieces, wrap,
+                                                expert_replicas=self.expert_replicas)
+        self.moe_layers = [m for m in self.pieces.modules() if isinstance(m, MoE)]
         self.schedule = None
         if args.pp > 1:
             stage = PipelineStage(self.module, groups["pp"], self.stage, args.pp)
@@ -112,6 +126,9 @@ class _Replica:
             for action, t0, t1 in self.schedule.timeline:
                 tracer.add_slice(str(action), t0, t1, cat="pp", step=step_no)
             loss = torch.stack(losses).mean() if self.last else None
+        if self.moe_layers:
+            with tracer.span("experts"):
+                average_expert_grads(self.pieces, self.expert_replicas)
         with tracer.span("step"):
             opt.step()
         return None if loss is None else loss.item()
@@ -137,16 +154,30 @@ def train_on_mesh(pg, args, dense: nn.Sequential, tracer: Tracer = None) -> dict
     shard of the batch; on the last stage's ranks only, else empty), the steps, the measured
     and the predicted bytes per step on each dimension, the mesh and the replica."""
     tracer = tracer or Tracer(pg.rank, enabled=False)
-    mesh = DeviceMesh(pg, (args.dp, args.pp, args.tp), NAMES)
+    mesh = DeviceMesh(pg, (args.dp, args.ep, args.pp, args.tp), NAMES)
     counted = {name: CountingGroup(tracer.wrap(mesh[name], name)) for name in NAMES}
-    replica = _Replica(args, dense, mesh, counted)
+    # The replicated part's data-parallel ranks: dp, or dp x ep (each ep rank has its own
+    # batch); counted under dp beside the experts' averaging over dp.
+    replicated = counted["dp"] if args.ep == 1 else CountingGroup(
+        tracer.wrap(mesh.flatten(("dp", "ep")), "dp"))
+    counters = {name: [g] for name, g in counted.items()}
+    if replicated is not counted["dp"]:
+        counters["dp"].append(replicated)
+    replica = _Replica(args, dense, mesh, {**counted, "dense": replicated})
+    ep_bytes = [0]
+
+    def count_ep(moe, inputs, output) -> None:  # each training forward's exchanges
+        if torch.is_grad_enabled() and counted["ep"].counting:
+            ep_bytes[0] += moe_traffic(moe)
+    for moe in replica.moe_layers:
+        moe.register_forward_hook(count_ep)
 
     x_train, y_train = map(torch.from_numpy, load_mnist(args.data_dir, "train"))
     opt = torch.optim.SGD(replica.module.parameters(), lr=args.lr, momentum=0.9)
-    sampler = ShardSampler(len(x_train), mesh.local_rank("dp"), args.dp, seed=args.seed)
+    sampler = ShardSampler(len(x_train), replicated.rank, replicated.size, seed=args.seed)
     # The epoch's mean loss, from the ranks that compute it once per replica.
     reports_loss = replica.last and mesh.local_rank("tp") == 0
-    for group in counted.values():
+    for group in [g for gs in counters.values() for g in gs]:
         group.start()                  # the account: training steps only, no set-up
     losses, step_losses = [], []
     steps = 0
@@ -174,15 +205,16 @@ def train_on_mesh(pg, args, dense: nn.Sequential, tracer: Tracer = None) -> dict
                   flush=True)
         if args.max_steps and steps >= args.max_steps:
             break
-    for group in counted.values():
+    for group in [g for gs in counters.values() for g in gs]:
         group.counting = False
-    measured = {name: {"bytes": g.bytes / steps, "calls": g.calls / steps,
-                       "ms": round(1e3 * g.seconds / steps, 3)}
-                for name, g in counted.items()}
+    measured = {name: {"bytes": sum(g.bytes for g in gs) / steps,
+                       "calls": sum(g.calls for g in gs) / steps,
+                       "ms": round(1e3 * sum(g.seconds for g in gs) / steps, 3)}
+                for name, gs in counters.items()}
     coordinate = {name: mesh.local_rank(name) for name in NAMES}
     return {"losses": losses, "step_losses": step_losses, "steps": steps, "mesh": mesh,
             "measured": measured, "replica": replica, "coordinate": coordinate,
-            "predicted": predicted_bytes(args, coordinate, steps)}
+            "predicted": predicted_bytes(args, coordinate, steps, ep_bytes[0])}
 
 
 def accuracy(run: dict, args, pg) -> float:
@@ -222,7 +254,7 @@ def main(args):
         print("account " + json.dumps({"measured": run["measured"],
                                        "predicted": run["predicted"],
                                        "every_rank_agrees": not wrong}), flush=True)
-    samples = run["steps"] * args.batch_size * args.dp
+    samples = run["steps"] * args.batch_size * args.dp * args.ep
     print_summary(pg.rank, example="mesh", backend=pg.backend, world_size=pg.size,
                   epochs=args.epochs, wall_s=wall_s, samples=samples,
                   final_loss=run["losses"][-1], final_acc=acc)
@@ -233,6 +265,17 @@ def main(args):
 
 def add_mesh_options(p) -> None:
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default: 1)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks: each holds experts/ep of every MoE layer "
+                        "and trains on its own batch (default: 1)")
+    p.add_argument("--experts", type=int, default=None,
+                   help="experts per MoE layer, one after each block; a multiple of --ep "
+                        "(default: 2 x ep with --ep > 1, else 0: no MoE layers)")
+    p.add_argument("--top-k", type=int, default=2,
+                   help="experts per token with --experts (default: %(default)s)")
+    p.add_argument("--capacity-factor", type=float, default=None,
+                   help="each expert accepts at most ceil(c*T*k/E) of a rank's T tokens "
+                        "(default: no limit)")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (default: 2)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (default: 1)")
     p.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b",
@@ -258,25 +301,32 @@ def _refuse(message: str) -> None:
 
 
 def mesh_args(argv=None):
-    """The example's options; ``--nproc`` defaults to dp*tp*pp. An ``--nproc`` other than
-    dp*tp*pp, fewer blocks than stages, or a batch the micro-batches do not divide ends the
-    program with status 2 and a message."""
+    """The example's options; ``--nproc`` defaults to dp*ep*tp*pp. An ``--nproc`` other
+    than dp*ep*tp*pp, fewer blocks than stages, a batch the micro-batches do not divide, or
+    experts that --ep does not divide ends the program with status 2 and a message."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args("mesh", argv, epochs=10, batch_size=32, lr=0.05, description=__doc__,
                       extra=add_mesh_options)
-    for name in ("dp", "tp", "pp", "microbatches", "layers"):
+    for name in ("dp", "ep", "tp", "pp", "microbatches", "layers"):
         if getattr(args, name) < 1:
             _refuse(f"--{name} must be at least 1")
+    if args.experts is None:
+        args.experts = 2 * args.ep if args.ep > 1 else 0
+    if args.experts < 0 or args.experts % args.ep or (args.ep > 1 and not args.experts):
+        _refuse(f"--experts {args.experts} must be a positive multiple of --ep {args.ep}")
+    if args.experts and not 1 <= args.top_k <= args.experts:
+        _refuse(f"--top-k {args.top_k} must be between 1 and --experts {args.experts}")
     if args.layers < args.pp:
         _refuse(f"--pp {args.pp} stages need at least as many blocks, got --layers "
                 f"{args.layers}")
     if args.pp > 1 and args.batch_size % args.microbatches:
         _refuse(f"--batch-size {args.batch_size} is not a multiple of --microbatches "
                 f"{args.microbatches}")
-    total = args.dp * args.tp * args.pp
+    total = args.dp * args.ep * args.tp * args.pp
     if any(a == "--nproc" or a.startswith("--nproc=") for a in argv):
         if args.nproc != total:
-            _refuse(f"--nproc {args.nproc} must equal dp*tp*pp = {total}")
+            dims = "dp*tp*pp" if args.ep == 1 else "dp*ep*tp*pp"
+            _refuse(f"--nproc {args.nproc} must equal {dims} = {total}")
     args.nproc = total
     return args
 

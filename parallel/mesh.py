@@ -98,6 +98,7 @@ class DeviceMesh:
         self.coordinate: tuple = tuple(int(c) for c in np.unravel_index(group.rank, self.shape))
         self._ranks: dict = {}
         self._groups: dict = {}
+        self._flat: dict = {}          # flatten(): dimension names -> (ranks, group)
         # One sub-group per dimension, dimensions in order (see the module's docstring).
         for dim, name in enumerate(self.names):
             mine = next(g for g in mesh_groups(self.shape, dim) if group.rank in g)
@@ -132,9 +133,43 @@ class DeviceMesh:
         """The ranks (of the parent group) in this rank's sub-group along ``name``."""
         return self._ranks[self._dim(name, "ranks")]
 
+    def flatten(self, names: Sequence[str]) -> Any:
+        """This rank's sub-group over several dimensions at once: the ranks whose
+        coordinates equal its own outside ``names``, in increasing order. Expert
+        parallelism's replicated parameters are averaged over ``("dp", "ep")``: every rank
+        there trains on its own batch. A collective: every rank calls it with the same
+        ``names`` in the same order relative to its other ``new_group`` calls (each rank
+        is in exactly one such group, so the module's argument holds); the group is made
+        once and kept (one name: that dimension's group; every name: the parent group).
+
+        Four ranks as ``(2, 2)`` named ``("dp", "ep")``: ``mesh.flatten(("dp", "ep"))`` is
+        the group of all four; on a ``(2, 1, 2)`` mesh ``("dp", "tp", "ep")`` too.
+        """
+        if isinstance(names, str) or not hasattr(names, "__iter__"):
+            raise TypeError(f"[rank {self.rank}/{self.parent.size}] DeviceMesh.flatten: "
+                            f"argument `names` must be a sequence of dimension names, got "
+                            f"{names!r}")
+        key = tuple(self._dim(n, "flatten") for n in names)
+        if not key or len(set(key)) != len(key):
+            raise ValueError(f"[rank {self.rank}/{self.parent.size}] DeviceMesh.flatten: "
+                             f"argument `names` must name distinct dimensions, got {key}")
+        key = tuple(n for n in self.names if n in key)   # mesh order, whatever was asked
+        if len(key) == 1:
+            return self._groups[key[0]]
+        if len(key) == len(self.names):
+            return self.parent
+        if key not in self._flat:
+            dims = [self.names.index(n) for n in key]
+            ranks = np.arange(self.parent.size).reshape(self.shape)
+            mine = ranks[tuple(slice(None) if d in dims else c
+                               for d, c in enumerate(self.coordinate))]
+            self._flat[key] = (tuple(int(r) for r in mine.reshape(-1)),
+                               self.parent.new_group([int(r) for r in mine.reshape(-1)]))
+        return self._flat[key][1]
+
     def close(self) -> None:
         """Close the sub-groups (not the parent group)."""
-        for g in self._groups.values():
+        for g in list(self._groups.values()) + [g for _, g in self._flat.values()]:
             g.close()
 
     def __repr__(self) -> str:

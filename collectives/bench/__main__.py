@@ -4,6 +4,7 @@
     python -m collectives.bench --backend zmq --nproc 4 --ops all --sizes 4,64K,16M
     python -m collectives.bench --peer mpi4py --peer torch-gloo --memcpy --json rows.json
     python -m collectives.bench --backend mpi --plot busbw.png   # ranks from mpiexec
+    python -m collectives.bench --ops all_to_all --uneven --peer mpi4py --peer torch-gloo
 
 Exit status: 0 when every result was right, 1 when some element was wrong or a rank
 failed, 2 for a usage error or a missing launcher/library.
@@ -100,6 +101,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--symmetric", action="store_true",
                    help="our backend's all_reduce on buffers from pg.alloc_symmetric "
                         "(shm reads the peers' buffers in place); other ops skipped")
+    p.add_argument("--uneven", action="store_true",
+                   help="all_to_all with uneven split sizes: a fixed random pattern per "
+                        "size, the same for every implementation (peers: mpi4py's "
+                        "Alltoallv, torch's all_to_all_single with splits)")
     p.add_argument("--json", metavar="FILE", help="write the rows to FILE")
     p.add_argument("--plot", metavar="FILE", help="draw busbw against size (matplotlib)")
     p.add_argument("--timeout", type=float, default=120.0,
@@ -136,6 +141,9 @@ def _check(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         check_world(args.dtype, args.nproc)
     except ValueError as exc:
         raise _Usage(str(exc)) from None
+    if args.uneven and "all_to_all" not in args.ops:
+        raise _Usage("argument --uneven: it shapes all_to_all's split sizes; add "
+                     "all_to_all to --ops")
     base = args.backend.removeprefix(P2P_ONLY_PREFIX)
     if base not in available_backends():
         raise _Usage(f"argument --backend: {args.backend!r} is not available here; "
@@ -169,7 +177,7 @@ def _run(args: argparse.Namespace, peers: list[str]) -> tuple[list[dict], list[s
     spec = JobSpec(impls=[], ops=args.ops, sizes=args.sizes, dtype=args.dtype,
                    iters=args.iters, warmup=args.warmup, byte_budget=args.byte_budget,
                    timeout=args.timeout, persistent=args.persistent,
-                   symmetric=args.symmetric)
+                   symmetric=args.symmetric, uneven=args.uneven)
     impls = [args.backend] + peers
     by_mpiexec = [i for i in impls if i in MPIEXEC_IMPLS]
     by_spawn = [i for i in impls if i not in MPIEXEC_IMPLS]
@@ -212,7 +220,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"{args.iters} timed iterations after {args.warmup} warm-up (at most "
               f"{args.byte_budget >> 20} MiB per size); {load}"
               f"{'; ' + args.backend + ' through persistent requests' if args.persistent else ''}"
-              f"{'; all_reduce on symmetric memory' if args.symmetric else ''}",
+              f"{'; all_reduce on symmetric memory' if args.symmetric else ''}"
+              f"{'; all_to_all with uneven split sizes' if args.uneven else ''}",
               flush=True)
         rows, skipped = _run(args, peers)
     except (_Usage, LauncherMissing) as exc:

@@ -20,6 +20,11 @@ scatter        the root's input (n x output)  (n-1)/n
 all_to_all     the input (= the output)       (n-1)/n
 ============== ============================== ======================
 
+With ``--uneven`` an all_to_all's parts differ: rank i sends rank j ``splits[i][j]``
+elements, a fixed random pattern per size and world size (:func:`uneven_splits`), the same
+for every implementation; each rank's input still holds ``bytes``, its output what the
+others send it.
+
 ``count`` is that buffer's number of elements; a requested size is rounded down to a
 whole number of elements (and, for the ops with parts, of ``n`` elements), with at least
 one element per part, so 4 bytes of all_gather at 2 ranks becomes 8. ``algbw = bytes /
@@ -131,6 +136,22 @@ def pattern(rank: int, start: int, count: int, dtype: np.dtype) -> np.ndarray:
     return values.astype(dtype)
 
 
+def uneven_splits(count: int, world_size: int) -> list[list[int]]:
+    """``splits[i][j]``: the elements rank i sends rank j in an uneven all_to_all where every
+    rank sends ``count`` in all. A fixed random pattern (seeded by ``count`` and the world
+    size, so every implementation and every rank draws the same one): rank i's parts are
+    proportional to weights drawn from [0.25, 1), the last part taking the rounding.
+
+    >>> uneven_splits(100, 2)
+    [[46, 54], [56, 44]]
+    """
+    rng = np.random.default_rng([count, world_size, 33])
+    weights = rng.uniform(0.25, 1.0, (world_size, world_size))
+    splits = np.floor(count * weights / weights.sum(1, keepdims=True)).astype(np.int64)
+    splits[:, -1] += count - splits.sum(1)
+    return splits.tolist()
+
+
 def _sum_over_ranks(world_size: int, start: int, count: int, dtype: np.dtype) -> np.ndarray:
     total = np.zeros(count, np.int64)
     for r in range(world_size):
@@ -164,6 +185,18 @@ class Case:
     send: Optional[np.ndarray]
     recv: Optional[np.ndarray]
     restore: Optional[np.ndarray] = None
+    #: An uneven all_to_all's :func:`uneven_splits` (None: equal parts).
+    splits: Optional[list] = None
+
+    @property
+    def send_splits(self) -> list[int]:
+        """Elements this rank sends each rank (an uneven all_to_all)."""
+        return list(self.splits[self.rank])
+
+    @property
+    def recv_splits(self) -> list[int]:
+        """Elements this rank receives from each rank (an uneven all_to_all)."""
+        return [row[self.rank] for row in self.splits]
 
     @property
     def nbytes(self) -> int:
@@ -197,6 +230,9 @@ class Case:
             return pattern(ROOT, r * p, p, dt)
         if self.op == "reduce_scatter":
             return _sum_over_ranks(n, r * p, p, dt)
+        if self.op == "all_to_all" and self.splits is not None:
+            return np.concatenate([pattern(j, sum(self.splits[j][:r]), self.splits[j][r], dt)
+                                   for j in range(n)])
         if self.op == "all_to_all":
             return np.concatenate([pattern(j, r * p, p, dt) for j in range(n)])
         return None  # reduce and gather on a non-root rank
@@ -212,8 +248,10 @@ class Case:
         return int(np.count_nonzero(got != want))
 
 
-def make_case(op: str, nbytes: int, dtype: str, rank: int, world_size: int) -> Case:
-    """The buffers of ``op`` at ``nbytes`` (nccl-tests' convention) on ``rank``.
+def make_case(op: str, nbytes: int, dtype: str, rank: int, world_size: int, *,
+              uneven: bool = False) -> Case:
+    """The buffers of ``op`` at ``nbytes`` (nccl-tests' convention) on ``rank``; with
+    ``uneven``, an all_to_all's parts follow :func:`uneven_splits` (other ops ignore it).
 
     Two ranks, all_gather of 16 bytes of float32: rank 0 sends 2 elements and receives 4::
 
@@ -227,7 +265,7 @@ def make_case(op: str, nbytes: int, dtype: str, rank: int, world_size: int) -> C
     count = element_count(op, nbytes, dt.itemsize, world_size)
     n, r = world_size, rank
     p = count // n if op in PARTED else count
-    send = recv = restore = None
+    send = recv = restore = splits = None
     if op in ("all_reduce", "reduce"):
         restore = pattern(r, 0, count, dt)
         recv = restore.copy()
@@ -244,9 +282,10 @@ def make_case(op: str, nbytes: int, dtype: str, rank: int, world_size: int) -> C
         send = pattern(r, 0, count, dt)
         recv = np.empty(p, dt)
     else:  # all_to_all
+        splits = uneven_splits(count, n) if uneven else None
         send = pattern(r, 0, count, dt)
-        recv = np.empty(count, dt)
+        recv = np.empty(count if splits is None else sum(row[r] for row in splits), dt)
     case = Case(op=op, rank=r, world_size=n, dtype=dtype, count=count, send=send,
-                recv=recv, restore=restore)
+                recv=recv, restore=restore, splits=splits if op == "all_to_all" else None)
     case.prepare(final=True)  # touch every output page now, not in the first timed iteration
     return case

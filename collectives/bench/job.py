@@ -70,6 +70,9 @@ class JobSpec:
     #: Our backend's all_reduce on buffers from ``pg.alloc_symmetric`` (the peers and
     #: memcpy in the same job use them too; the other ops are skipped).
     symmetric: bool = False
+    #: all_to_all with uneven split sizes (``cases.uneven_splits``), for every
+    #: implementation alike.
+    uneven: bool = False
 
 
 def _open(impl: str, spec: JobSpec, rank: int, size: int) -> Runner:
@@ -100,7 +103,7 @@ def run_rank(spec: JobSpec) -> tuple[list[dict], list[str]]:
             runners.append(MemcpyRunner(runners[0]))
         skipped: list[str] = []
         rows = measure_many(runners, spec.ops, spec.sizes, spec.dtype, spec.iters,
-                            spec.warmup, spec.byte_budget, skipped)
+                            spec.warmup, spec.byte_budget, skipped, uneven=spec.uneven)
     finally:
         for runner in reversed(runners):
             runner.close()

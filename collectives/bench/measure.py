@@ -109,20 +109,22 @@ def row(impl: str, case: Case, slowest: np.ndarray, wrong: int) -> dict:
             "bytes": case.nbytes, "count": case.count, "dtype": case.dtype,
             "time_us": seconds * 1e6, "algbw_gbps": algbw, "busbw_gbps": busbw,
             "wrong": int(wrong), "iters": int(slowest.size),
-            "min_time_us": float(slowest.min()) * 1e6}
+            "min_time_us": float(slowest.min()) * 1e6, **(
+                {"uneven": True} if case.splits is not None else {})}
 
 
 def measure_many(runners: list[Runner], ops: list[str], sizes: list[int], dtype: str,
                  iters: int, warmup: int, byte_budget: int,
-                 skipped: Optional[list[str]] = None) -> list[dict]:
+                 skipped: Optional[list[str]] = None, uneven: bool = False) -> list[dict]:
     """Every op at every size through every runner (interleaved, see :func:`time_case`);
     every rank returns the same rows, ours (the first runner) first. Ops a runner cannot
-    do are left out and the reason appended to ``skipped``."""
+    do are left out and the reason appended to ``skipped``. ``uneven``: all_to_all with
+    uneven split sizes (rows get ``"uneven": true``)."""
     rank, size = runners[0].rank, runners[0].size
     rows: list[dict] = []
     for op in ops:
         for nbytes in sizes:
-            case = make_case(op, nbytes, dtype, rank, size)
+            case = make_case(op, nbytes, dtype, rank, size, uneven=uneven)
             able, calls = [], []
             for runner in runners:
                 try:  # decided alike on every rank, before any call
@@ -173,6 +175,10 @@ class GroupRunner:
             "reduce_scatter": lambda: pg.reduce_scatter(recv, send),
             "all_to_all": lambda: pg.all_to_all(recv, send),
         }
+        if case.splits is not None:
+            out_splits, in_splits = case.recv_splits, case.send_splits
+            return lambda: pg.all_to_all(recv, send, output_split_sizes=out_splits,
+                                         input_split_sizes=in_splits)
         return calls[case.op]
 
     def _move_to_symmetric(self, case: Case) -> None:

@@ -2,11 +2,13 @@
 would call them, for the ratio columns.
 
 - ``mpi4py``: the upper-case (buffer) methods on a duplicate of ``MPI.COMM_WORLD``,
-  ``MPI.IN_PLACE`` for all_reduce and the root of reduce (in place, as ours). Ranks are
-  started by ``mpiexec``.
+  ``MPI.IN_PLACE`` for all_reduce and the root of reduce (in place, as ours); an uneven
+  all_to_all is ``Alltoallv`` with counts and displacements. Ranks are started by
+  ``mpiexec``.
 - ``torch-gloo``: ``torch.distributed`` with a ``gloo`` process group of its own
   (``init_process_group("gloo", init_method="tcp://...")``), on CPU tensors that share
-  memory with the case's numpy buffers (``torch.from_numpy``: no copies).
+  memory with the case's numpy buffers (``torch.from_numpy``: no copies); an uneven
+  all_to_all is ``all_to_all_single`` with split sizes.
 
 Nothing here imports this library's backends: the peers are what ours are measured
 against. Both run under the loop of :mod:`collectives.bench.measure`.
@@ -70,6 +72,12 @@ class Mpi4pyRunner:
             "reduce_scatter": lambda: comm.Reduce_scatter_block(send, recv, MPI.SUM),
             "all_to_all": lambda: comm.Alltoall(send, recv),
         }
+        if case.splits is not None:
+            # Counts and displacements in elements, made here rather than in the call.
+            out_counts, in_counts = case.recv_splits, case.send_splits
+            out_spec = [recv, (out_counts, _displacements(out_counts))]
+            in_spec = [send, (in_counts, _displacements(in_counts))]
+            return lambda: comm.Alltoallv(in_spec, out_spec)
         return calls[case.op]
 
     def barrier(self) -> None:
@@ -85,6 +93,11 @@ class Mpi4pyRunner:
 
     def close(self) -> None:
         self.comm.Free()
+
+
+def _displacements(counts: list) -> list:
+    """Where each part starts: ``[0, c0, c0 + c1, ...]`` without the total."""
+    return [int(d) for d in np.cumsum([0, *counts[:-1]])]
 
 
 def _tensor(a: Optional[np.ndarray]) -> Any:
@@ -133,6 +146,10 @@ class TorchGlooRunner:
             "reduce_scatter": lambda: self._reduce_scatter(recv, send),
             "all_to_all": lambda: dist.all_to_all_single(recv, send),
         }
+        if case.splits is not None:
+            out_splits, in_splits = case.recv_splits, case.send_splits
+            return lambda: dist.all_to_all_single(recv, send, output_split_sizes=out_splits,
+                                                  input_split_sizes=in_splits)
         if case.op == "gather":
             out = parts(recv) if root else None
             return lambda: dist.gather(send, out, dst=ROOT)

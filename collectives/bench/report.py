@@ -65,9 +65,11 @@ def table(rows: list[dict], ours: str, peers: Sequence[str], world_size: int) ->
         redop = "sum" if op in REDUCING else "none"
         root = str(ROOT) if op in ("reduce", "broadcast", "gather", "scatter") else "-1"
         dtype = next(r["dtype"] for r in rows if r["op"] == op)
+        uneven = any(r.get("uneven") for r in rows if r["op"] == op)
         lines.append(f"# {op}: {world_size} ranks, {dtype}, busbw = algbw x {factor} = "
                      f"x {busbw_factor(op, world_size):.3g}; bytes = "
-                     f"{'the full n-part buffer' if op in PARTED else 'the buffer'}")
+                     f"{'the full n-part buffer' if op in PARTED else 'the buffer'}"
+                     f"{'; uneven split sizes (each rank sends bytes in all)' if uneven else ''}")
         head1 = f"#{'':>11} {'':>11} {'':>8} {'':>5} {'':>4} "
         head2 = f"#{'size':>11} {'count':>11} {'type':>8} {'redop':>5} {'root':>4} "
         head3 = f"#{'(B)':>11} {'(elements)':>11} {'':>8} {'':>5} {'':>4} "

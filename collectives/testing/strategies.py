@@ -276,10 +276,12 @@ def collective_cases(world_size: int, ops: Sequence[str] = OPS, dtypes: Sequence
     dtype, any root, empty, odd and 0-d shapes, 1-D to 4-D tensors up to
     :data:`LARGE_BYTES` (most examples stay small), contiguous or strided tensors of any
     of ``kinds`` (default numpy, plus torch where it is installed), blocking or
-    ``async_op=True`` (unless ``async_op`` is fixed).
+    ``async_op=True`` (unless ``async_op`` is fixed). Two all_to_alls in three have uneven
+    split sizes: zeros, often a rank that sends nothing and one that receives nothing.
 
     ``thresholds`` (a group's :meth:`~collectives.ProcessGroup.size_thresholds`) adds
-    sizes just below, at and just above each line; ``skew=True`` has a drawn rank sleep
+    sizes just below, at and just above each line (and, for uneven all_to_all, rows that
+    put one call's parts on both sides of one); ``skew=True`` has a drawn rank sleep
     a drawn 0-2 s before the call (longer than every internal watch or poll interval).
 
     >>> from hypothesis import given
@@ -317,16 +319,39 @@ def _cases(draw: st.DrawFn, world_size: int, ops: tuple[str, ...], dtypes: tuple
                                   if not (op in REDUCING_OPS and d == "bool")]))
     reduce_op = draw(st.sampled_from(_reduce_ops(dtype))) if op in REDUCING_OPS else None
     root = draw(st.integers(0, world_size - 1)) if op in ROOT_ARG else None
-    shape = draw(_shapes(op, world_size, numpy_dtype(dtype).itemsize, thresholds))
+    itemsize = numpy_dtype(dtype).itemsize
+    shape = draw(_shapes(op, world_size, itemsize, thresholds))
     splits = None
-    if op == "all_to_all" and draw(st.booleans()):
-        row = st.integers(0, 3)
-        splits = tuple(tuple(draw(row) for _ in range(world_size)) for _ in range(world_size))
+    if op == "all_to_all" and draw(st.integers(0, 2)) > 0:      # uneven, two times in three
+        splits = draw(_split_sizes(world_size))
+        lines = [t for t in thresholds if t.applies(op, world_size)]
+        if lines and draw(st.booleans()):
+            # Rows of two thirds of a line: parts of 1 row fall below it, of 2 or 3 rows
+            # above, so one call can have parts (and ranks) on both sides.
+            shape = (1, max(1, draw(st.sampled_from(lines)).nbytes * 2 // 3 // itemsize))
     return CollectiveCase(
         op=op, shape=shape, dtype=dtype, reduce_op=reduce_op, root=root,
         layout=draw(st.sampled_from(layouts)), kind=draw(st.sampled_from(kinds)),
         seed=draw(st.integers(0, 2**32 - 1)), splits=splits, async_op=draw(_async(async_op)),
         delay=delay)
+
+
+@st.composite
+def _split_sizes(draw: st.DrawFn, world_size: int) -> tuple[tuple[int, ...], ...]:
+    """Rows rank i sends rank j: 0 to 3 each (0 often). About half the time one drawn rank
+    sends nothing at all while the others may still send to it (in expert parallelism, a
+    rank with no tokens), and about half the time one receives nothing (a rank whose
+    experts nobody chose)."""
+    n = world_size
+    rows = [[draw(st.integers(0, 3)) for _ in range(n)] for _ in range(n)]
+    silent = draw(st.one_of(st.none(), st.integers(0, n - 1)))
+    if silent is not None:
+        rows[silent] = [0] * n
+    deaf = draw(st.one_of(st.none(), st.integers(0, n - 1)))
+    if deaf is not None:
+        for row in rows:
+            row[deaf] = 0
+    return tuple(tuple(row) for row in rows)
 
 
 def _async(fixed: Optional[bool]) -> st.SearchStrategy[bool]:

@@ -1,4 +1,4 @@
-"""What the four examples (ddp, fsdp, tp, pp) share: the command line, the model, the
+"""What the examples (ddp, fsdp, tp, pp, mesh, moe) share: the command line, the model, the
 launch, the progress bar and the closing JSON line.
 
 The contract every example keeps (the README's Quick start runs ``examples/ddp.py``)::
@@ -156,14 +156,18 @@ SUMMARY_KEYS = ("example", "backend", "world_size", "epochs", "wall_s", "samples
 
 
 def print_summary(rank: int, *, example: str, backend: str, world_size: int, epochs: int,
-                  wall_s: float, samples: int, final_loss: float, final_acc: float) -> None:
+                  wall_s: float, samples: int, final_loss: float, final_acc: float,
+                  extra: Optional[dict] = None) -> None:
     """On rank 0, print the closing JSON line. ``wall_s`` is the training loop's time (start-up
-    and evaluation excluded), ``samples`` the training samples all ranks processed in it."""
+    and evaluation excluded), ``samples`` the training samples all ranks processed in it;
+    ``extra``: an example's own keys, after the common ones (examples/moe.py: the experts'
+    load)."""
     if rank != 0:
         return
     line = dict(zip(SUMMARY_KEYS, (
         example, backend, world_size, epochs, round(wall_s, 3),
         round(samples / wall_s, 1) if wall_s > 0 else None,
         round(final_loss, 5), round(final_acc, 4))))
+    line.update({k: v for k, v in (extra or {}).items() if k not in line})
     sys.stderr.flush()
     print(json.dumps(line), flush=True)

@@ -7,6 +7,10 @@ MNIST as a sequence of 28 rows of 28 pixels -> 10 logits, an ``nn.Sequential`` o
     TransformerBlock x L  pre-norm, non-causal (ParallelTransformerBlock when split over tp)
     MeanHead              LayerNorm, the mean over the 28 rows, linear hidden -> 10
 
+With experts (``--experts E``), each block is a :class:`BlockWithExperts`: the block, then
+``h + MoE(LayerNorm(h))`` over its rows as tokens (E expert MLPs hidden -> ffn -> hidden,
+sharded over the ``ep`` ranks by :func:`expert_parallel`; replicated over tp).
+
 Stage s of P holds a contiguous run of the blocks (as even as can be: the first L % P
 stages one more), the embedding on stage 0 and the head on stage P-1 (:func:`stage_pieces`).
 """
@@ -20,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from parallel.ep import MoE
 from parallel.tp import ParallelTransformerBlock, TransformerBlock
 
 ROWS = COLS = 28
@@ -54,19 +59,76 @@ class MeanHead(nn.Module):
         return self.head(self.norm(h).mean(dim=1))
 
 
-def row_transformer(hidden: int, heads: int, ffn: int, layers: int) -> nn.Sequential:
-    """The dense (one-process) model, initialised from torch's global random state."""
-    return nn.Sequential(RowEmbedding(hidden),
-                         *(TransformerBlock(hidden, heads, ffn, causal=False)
-                           for _ in range(layers)),
+class MoEResidual(nn.Module):
+    """(b, 28, hidden) -> the same: ``h + MoE(LayerNorm(h))``, each row of each image a
+    token."""
+
+    def __init__(self, moe: MoE) -> None:
+        super().__init__()
+        self.norm, self.moe = nn.LayerNorm(moe.dim), moe
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        b, s, d = h.shape
+        return h + self.moe(self.norm(h).reshape(b * s, d)).reshape(b, s, d)
+
+
+class BlockWithExperts(nn.Module):
+    """A transformer block, then an MoE feed-forward: one piece of the pipeline."""
+
+    def __init__(self, block: nn.Module, experts: MoEResidual) -> None:
+        super().__init__()
+        self.block, self.experts = block, experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(self.block(x))
+
+
+def row_transformer(hidden: int, heads: int, ffn: int, layers: int, experts: int = 0,
+                    top_k: int = 2, capacity_factor: Any = None) -> nn.Sequential:
+    """The dense (one-process) model, initialised from torch's global random state; with
+    ``experts``, each block followed by a one-process MoE of that many experts."""
+    def block() -> nn.Module:
+        dense = TransformerBlock(hidden, heads, ffn, causal=False)
+        if not experts:
+            return dense
+        mlps = [nn.Sequential(nn.Linear(hidden, ffn), nn.GELU(), nn.Linear(ffn, hidden))
+                for _ in range(experts)]
+        moe = MoE(nn.Linear(hidden, experts, bias=False), mlps, None, top_k=top_k,
+                  capacity_factor=capacity_factor)
+        return BlockWithExperts(dense, MoEResidual(moe))
+    return nn.Sequential(RowEmbedding(hidden), *(block() for _ in range(layers)),
                          MeanHead(hidden))
 
 
 def tensor_parallel(dense: nn.Sequential, tp_group: Any) -> nn.Sequential:
     """A copy of ``dense`` with every block split over ``tp_group`` (the rest replicated:
     the ranks of one tp group see the same batch)."""
-    return nn.Sequential(*(ParallelTransformerBlock.from_dense(p, tp_group)
-                           if isinstance(p, TransformerBlock) else copy.deepcopy(p) for p in dense))
+    def split(p: nn.Module) -> nn.Module:
+        if isinstance(p, TransformerBlock):
+            return ParallelTransformerBlock.from_dense(p, tp_group)
+        if isinstance(p, BlockWithExperts):
+            return BlockWithExperts(split(p.block), copy.deepcopy(p.experts))
+        return copy.deepcopy(p)
+    return nn.Sequential(*(split(p) for p in dense))
+
+
+def expert_parallel(model: nn.Module, ep_group: Any) -> nn.Module:
+    """``model`` (in place) with every one-process MoE replaced by this rank's share of its
+    experts over ``ep_group`` (``MoE.from_dense``)."""
+    for m in model.modules():
+        if isinstance(m, MoEResidual):
+            m.moe = MoE.from_dense(m.moe, ep_group)
+    return model
+
+
+def moe_traffic(moe: MoE) -> int:
+    """Bytes one training forward and backward of ``moe`` moves on its group by the
+    account's rule (each call its largest array): the counts (E int64), then dispatch and
+    combine forward and again backward, each ``max(rows sent, rows received)`` float32
+    rows of ``dim``. A group of one moves nothing."""
+    if moe.group.size == 1:
+        return 0
+    return 8 * moe.num_experts + 4 * max(moe.sent_rows, moe.received_rows) * moe.dim * FLOAT32
 
 
 def stage_pieces(layers: int, pp: int, stage: int) -> range:
@@ -95,8 +157,13 @@ def blocks_of_stage(layers: int, pp: int, stage: int) -> int:
 def local_param_counts(args: Any, tp: int) -> dict:
     """Elements and tensors of one rank's parameters per piece, from the sizes (each tp
     rank holds 1/tp of q, k, v, fc1 and the input columns of proj, fc2; LayerNorms and the
-    row layers' biases whole)."""
+    row layers' biases whole). With experts, ``moe``: a block's MoE norm and router
+    (replicated), ``experts``: its E/ep local expert MLPs."""
     h, f = args.hidden, args.ffn
+    E = getattr(args, "experts", 0)
+    moe = {"moe": (2 * h + E * h, 3) if E else (0, 0),
+           "experts": ((E // args.ep) * (h * f + f + f * h + h), 4 * (E // args.ep))
+           if E else (0, 0)}
     block = (2 * 2 * h                                  # ln1, ln2
              + 3 * (h * h // tp + h // tp)              # q, k, v: column-parallel
              + h * h // tp + h                          # proj: row-parallel, whole bias
@@ -104,13 +171,14 @@ def local_param_counts(args: Any, tp: int) -> dict:
              + h * f // tp + h)                         # fc2: row-parallel, whole bias
     return {"embed": (COLS * h + h + ROWS * h, 3),      # embed weight, bias; pos
             "block": (block, 16),                       # 8 layers, weight and bias each
-            "head": (2 * h + h * CLASSES + CLASSES, 4)}  # norm, head: weight and bias
+            "head": (2 * h + h * CLASSES + CLASSES, 4),  # norm, head: weight and bias
+            **moe}
 
 
-def predicted_bytes(args: Any, coordinate: dict, steps: int) -> dict:
+def predicted_bytes(args: Any, coordinate: dict, steps: int, ep_bytes: float = 0.0) -> dict:
     """Bytes per training step this rank's calls move on each mesh dimension (float32; a
     group of one rank: 0), averaged over ``steps`` steps. ``coordinate``: this rank's
-    ``{"dp": ..., "pp": ..., "tp": ...}``. A call counts its whole buffer
+    ``{"dp": ..., "ep": ..., "pp": ..., "tp": ...}``. A call counts its whole buffer
     (``examples/common/comm_account.py``).
 
     - tp: each block all-reduces its (batch, 28, hidden) activations twice in forward
@@ -123,35 +191,44 @@ def predicted_bytes(args: Any, coordinate: dict, steps: int) -> dict:
     - dp with DDP: one all_reduce of every local gradient of the stage, plus one float per
       parameter tensor (each bucket's "gradient ready" flags travel with it;
       parallel/bucket.py): gradients accumulate over the micro-batches and are reduced
-      once, in the last one's backward.
-    - dp with FSDP (ZeRO-3, each block a unit, the stage's embedding/head its root unit, a
-      unit's flat parameter padded to a multiple of dp): per micro-batch the root gathered
-      once and each block twice (forward, and again in backward after resharding), and
-      every unit reduce-scattered once per step.
+      once, in the last one's backward. The replicated part is averaged over the dp x ep
+      ranks (each trains on its own batch); with experts and dp > 1, one more all_reduce
+      of the local experts' gradients over dp (``average_expert_grads``).
+    - dp with FSDP (ZeRO-3, each block a unit, the stage's embedding/head and the MoE
+      norms and routers its root unit, a unit's flat parameter padded to a multiple of
+      dp x ep): per micro-batch the root gathered once and each block twice (forward,
+      and again in backward after resharding), and every unit reduce-scattered once per
+      step.
+    - ep: what the MoE layers report for each training forward (:func:`moe_traffic`),
+      summed into ``ep_bytes`` by the caller: it depends on the routing.
     """
     dp, pp, tp = args.dp, args.pp, args.tp
+    replicas = dp * getattr(args, "ep", 1)             # ranks averaging the replicated part
     stage, M = coordinate["pp"], args.microbatches if pp > 1 else 1
     counts, first, last = local_param_counts(args, tp), stage == 0, stage == pp - 1
     blocks = blocks_of_stage(args.layers, pp, stage)
     activations = args.batch_size * ROWS * args.hidden * FLOAT32
-    out = {"dp": 0.0, "pp": 0.0, "tp": 0.0}
+    out = {"dp": 0.0, "ep": ep_bytes / steps, "pp": 0.0, "tp": 0.0}
     if tp > 1:
         out["tp"] = float(4 * blocks * activations)
     if pp > 1:
         neighbours = int(not first) + int(not last)
         total = steps * 2 * neighbours * activations + neighbours * PP_HEADER_BYTES
         out["pp"] = total / steps
-    if dp > 1:
+    if replicas > 1:
         rest = [counts[k] for k, here in (("embed", first), ("head", last)) if here]
+        rest += [counts["moe"]] * blocks
         rest_elems, rest_tensors = sum(n for n, _ in rest), sum(t for _, t in rest)
         block_elems, block_tensors = counts["block"]
         if not args.fsdp:
             out["dp"] = float((rest_elems + blocks * block_elems
                                + rest_tensors + blocks * block_tensors) * FLOAT32)
         else:
-            padded = lambda n: math.ceil(n / dp) * dp  # noqa: E731
+            padded = lambda n: math.ceil(n / replicas) * replicas  # noqa: E731
             root, block = padded(rest_elems) if rest_elems else 0, padded(block_elems)
             gathered = M * (root + 2 * blocks * block)
             reduced = root + blocks * block
             out["dp"] = float((gathered + reduced) * FLOAT32)
+    if dp > 1 and blocks:
+        out["dp"] += float(blocks * counts["experts"][0] * FLOAT32)
     return out
