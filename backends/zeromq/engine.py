@@ -53,8 +53,7 @@ from collectives.work import Work
 
 from . import wire
 from .addresses import IpcDir
-from .calls import (Call, _describe_header, _describe_sig, _group_rank, _GroupState, _Partial,
-                    _SendWork, _sig_differs, _signature)
+from .calls import Call, GroupState, Partial, SendWork, rank_in_group, sequence_problem
 from .wire import Kind
 
 from .connect import (SLICE_S, ZERO_COPY_MIN, Connector, _Inbound, _live_engines,
@@ -78,8 +77,8 @@ class Engine(Matcher, Progress, Connector):
         self._closed: Optional[str] = None   # "closed" or "aborted" once it is
         self._posted: dict[tuple, collections.deque] = {}
         self._unexpected: dict[tuple, collections.deque] = {}
-        self._partial: dict[tuple, _Partial] = {}
-        self._groups: dict[int, _GroupState] = {}
+        self._partial: dict[tuple, Partial] = {}
+        self._groups: dict[int, GroupState] = {}
         self._early_aborts: dict[int, tuple[int, str]] = {}
         self._down: dict[int, str] = {}
         self._dead: set[int] = set()  # the ranks in _down that went without saying BYE
@@ -112,10 +111,10 @@ class Engine(Matcher, Progress, Connector):
         with self._lock:
             gs = self._groups.get(gid)
             if gs is None:
-                gs = self._groups[gid] = _GroupState(gid, members)
+                gs = self._groups[gid] = GroupState(gid, members)
                 early = self._early_aborts.pop(gid, None)
                 if early is not None:  # a member failed in it before this rank created it
-                    gs.error = f"rank {_group_rank(gs, early[0])} reported: {early[1]}"
+                    gs.error = f"rank {rank_in_group(gs, early[0])} reported: {early[1]}"
                 for key, q in self._unexpected.items():  # what members sent before that
                     if key[1] == gid:
                         for msg in q:
@@ -160,7 +159,7 @@ class Engine(Matcher, Progress, Connector):
                 for msg in q:
                     if msg.header.seq == wire.NO_SEQ:  # point to point
                         continue
-                    problem = self._check_sequence(gs, key[0], msg.header)
+                    problem = sequence_problem(gs, key[0], msg.header)
                     if problem:
                         self._fail_group(gs, problem, forward=True)
                         raise CollectiveMismatch(f"{call.where}: {problem}")
@@ -197,23 +196,6 @@ class Engine(Matcher, Progress, Connector):
                 why = self._down[m]
                 raise PeerError(f"{call.where}: {call.peer(m)} {why}; a collective over it "
                                 f"cannot complete", peer=m)
-
-    def _check_sequence(self, gs: _GroupState, src: int, h: wire.Header) -> Optional[str]:
-        """Why a collective message from ``src`` cannot belong to a call this rank makes
-        (None when it can)."""
-        if h.seq <= gs.done_seq and h.seq > gs.failed_upto:
-            # Name this rank's own side too when it is the call just finished (a root or
-            # size mismatch usually shows there): both calls, as for the other mismatches.
-            mine = f" as {_describe_sig(h.seq, gs.done_sig)}" \
-                if h.seq == gs.done_seq and gs.done_sig is not None else ""
-            return (f"rank {_group_rank(gs, src)} sent {_describe_header(h)}, a collective this "
-                    f"rank already finished{mine} without that message: the ranks called it "
-                    f"with different sizes, roots or dtypes")
-        if h.seq == gs.active_seq and gs.active_sig is not None and \
-                _sig_differs(_signature(h), gs.active_sig):
-            return (f"rank {_group_rank(gs, src)} called {_describe_header(h)} but this rank "
-                    f"called {_describe_sig(gs.active_seq, gs.active_sig)}")
-        return None
 
     # ========================================================================== sends
     def _check_open(self, call: Call) -> None:
@@ -260,10 +242,10 @@ class Engine(Matcher, Progress, Connector):
                 raise PeerError(f"{call.where}: {call.peer(dst)} is unreachable (its "
                                 f"connection closed)", peer=dst) from None
         tracker = zmq.MessageTracker(*frames) if frames else None
-        return _SendWork(self, call, dst, tracker)
+        return SendWork(self, call, dst, tracker)
 
     # ======================================================================= failures
-    def _fail_group(self, gs: _GroupState, problem: str, forward: bool) -> None:
+    def _fail_group(self, gs: GroupState, problem: str, forward: bool) -> None:
         """Lock held: the group's calls fail with CollectiveMismatch from now on; with
         ``forward``, tell the other members (they fail too instead of waiting)."""
         if gs.error:
@@ -280,7 +262,7 @@ class Engine(Matcher, Progress, Connector):
         gs.posted_from.clear()
         self._cond.notify_all()
         if forward:
-            me = _group_rank(gs, self.rank)
+            me = rank_in_group(gs, self.rank)
             text = f"rank {me} detected: {problem}".encode()[:4000]
             for p in gs.members:
                 if p == self.rank or p in self._down:

@@ -22,8 +22,8 @@ from collectives.errors import CollectiveMismatch, PeerError
 from collectives.work import Work
 
 from . import wire
-from .calls import (Call, _describe_header, _describe_meta, _Msg, _Partial, _PartsWork, _Recv,
-                    _RecvWork, _sig_differs, _signature)
+from .calls import (Call, Message, Partial, PartsWork, Recv, RecvWork, ahead_problem,
+                    describe_header, receive_problem, sequence_problem)
 from .connect import _NOBLOCK, _RCVMORE
 
 
@@ -34,7 +34,7 @@ class Matcher:
     """The matching part of :class:`~backends.zeromq.engine.Engine`."""
 
     # ================================================================ posted receives
-    def irecv_parts(self, call: Call, src: int, tag: int, like: np.ndarray) -> "_PartsWork":
+    def irecv_parts(self, call: Call, src: int, tag: int, like: np.ndarray) -> "PartsWork":
         """Receive a message shaped like ``like`` without copying it anywhere: its parts
         stay in the buffers they arrived in, read in order through ``parts()`` (a
         reduction reads them straight from there, saving a copy of every byte). Same
@@ -43,7 +43,7 @@ class Matcher:
 
     def irecv(self, call: Call, src: int, tag: int, array: np.ndarray,
               frames: bool = False) -> Work:
-        req = _Recv(call, src, tag, array, [] if frames else None)
+        req = Recv(call, src, tag, array, [] if frames else None)
         collective = call.collective  # a collective of ours (sequence numbers are checked)
         with self._lock:
             self._check_open(call)
@@ -56,17 +56,17 @@ class Matcher:
                 msg = q.popleft()
                 if not q:
                     del self._unexpected[req.key]
-                problem = self._compare(req, msg.header)
+                problem = receive_problem(req, msg.header)
                 if problem:
                     self._mismatch(req, problem)
                     raise req.error
                 self._fill(req, msg.buf)
                 req.done = True
-                return _PartsWork(self, req) if frames else _RecvWork(self, req)
+                return PartsWork(self, req) if frames else RecvWork(self, req)
             if collective and gs is not None:
                 seen = gs.seen.get(src)
                 if seen is not None and seen.seq > call.seq:
-                    self._mismatch(req, self._ahead_text(req, _describe_header(seen)))
+                    self._mismatch(req, ahead_problem(req, describe_header(seen)))
                     raise req.error
             why = self._down.get(src)
             if why is not None:
@@ -77,10 +77,10 @@ class Matcher:
             self._posted.setdefault(req.key, collections.deque()).append(req)
             if collective and gs is not None:
                 gs.posted_from.setdefault(src, set()).add(req)
-        return _PartsWork(self, req) if frames else _RecvWork(self, req)
+        return PartsWork(self, req) if frames else RecvWork(self, req)
 
     @staticmethod
-    def _fill(req: _Recv, buf: np.ndarray) -> None:
+    def _fill(req: Recv, buf: np.ndarray) -> None:
         """A whole message that arrived before ``req`` was posted goes to ``req``."""
         if req.frames is not None:
             if buf.size:
@@ -88,7 +88,7 @@ class Matcher:
         elif buf.size:
             req.view[...] = buf
 
-    def _unindex(self, req: _Recv) -> None:
+    def _unindex(self, req: Recv) -> None:
         if req.call.collective:
             gs = self._groups.get(req.call.gid)
             if gs is not None:
@@ -96,30 +96,7 @@ class Matcher:
                 if s is not None:
                     s.discard(req)
 
-    def _ahead_text(self, req: _Recv, theirs: str) -> str:
-        c = req.call
-        return (f"{c.peer(req.src)} is already in {theirs} while this rank still expects its "
-                f"message of {_describe_meta(c.meta, c.dtype, c.op)}: the ranks called "
-                f"different collectives, or with different sizes or roots")
-
-    def _compare(self, req: _Recv, h: wire.Header) -> Optional[str]:
-        c = req.call
-        m = c.meta
-        same = (h.op == m.op and h.seq == m.seq and h.dtype == req.dtype and
-                h.nbytes == req.view.nbytes and h.count == req.count and
-                not _sig_differs(_signature(h), (m.op, req.dtype, m.sig_count, m.root, m.redop)))
-        if same:
-            return None
-        theirs = wire.describe(h.op, h.seq, h.dtype, h.count, h.shape, h.sig_count, h.root,
-                               h.redop)
-        mine = wire.describe(m.op, m.seq, req.dtype, req.count, req.shape, m.sig_count, m.root,
-                             m.redop)
-        what = "called" if c.collective else "sent"
-        return (f"{c.peer(req.src)} {what} {theirs} but this rank "
-                f"{'called' if c.collective else 'receives'} {mine}"
-                + ("" if c.collective else f" (tag {req.tag})"))
-
-    def _mismatch(self, req: _Recv, problem: str) -> None:
+    def _mismatch(self, req: Recv, problem: str) -> None:
         """Fail ``req`` (lock held); a collective's group is failed everywhere."""
         c = req.call
         req.error = CollectiveMismatch(f"{c.where}: {problem}")
@@ -139,13 +116,13 @@ class Matcher:
                 return
             gs = self._groups.get(h.gid)
             if gs is not None and h.seq != wire.NO_SEQ:  # a collective of ours
-                problem = None if gs.error else self._check_sequence(gs, src, h)
+                problem = None if gs.error else sequence_problem(gs, src, h)
                 seen = gs.seen.get(src)
                 if seen is None or h.seq > seen.seq:
                     gs.seen[src] = h
                 for req in list(gs.posted_from.get(src, ())):
                     if req.call.seq < h.seq and not req.done and req.error is None:
-                        problem = problem or self._ahead_text(req, _describe_header(h))
+                        problem = problem or ahead_problem(req, describe_header(h))
                 if problem:
                     self._discard(self._router)
                     self._fail_group(gs, problem, forward=True)
@@ -156,14 +133,14 @@ class Matcher:
                 if not q:
                     del self._posted[key]
                 self._unindex(req)
-                problem = self._compare(req, h)
+                problem = receive_problem(req, h)
                 if problem:
                     self._discard(self._router)
                     self._mismatch(req, problem)
                 elif not self._recv_part(h, req.view, data, req.frames):
                     self._malformed(req, src)
                 elif wire.part_size(h.nbytes, 0) < h.nbytes:
-                    self._partial[key] = _Partial(req, None, h)
+                    self._partial[key] = Partial(req, None, h)
                     if req.frames is not None:
                         self._cond.notify_all()  # a reader of the parts may start
                     return
@@ -183,9 +160,9 @@ class Matcher:
                     self.stats["rejected"] += 1
                     return
             self.stats["unexpected"] += 1
-            msg = _Msg(h, buf)
+            msg = Message(h, buf)
             if wire.part_size(h.nbytes, 0) < h.nbytes:
-                self._partial[key] = _Partial(None, msg, h)
+                self._partial[key] = Partial(None, msg, h)
             else:
                 self._unexpected.setdefault(key, collections.deque()).append(msg)
 
@@ -225,7 +202,7 @@ class Matcher:
             if not q:
                 del self._posted[key]
             self._unindex(req)
-            problem = self._compare(req, part.msg.header)
+            problem = receive_problem(req, part.msg.header)
             if problem:
                 self._mismatch(req, problem)
             else:
@@ -235,7 +212,7 @@ class Matcher:
         else:
             self._unexpected.setdefault(key, collections.deque()).append(part.msg)
 
-    def _malformed(self, req: _Recv, src: int) -> None:
+    def _malformed(self, req: Recv, src: int) -> None:
         req.error = PeerError(f"{req.call.where}: malformed message from "
                               f"{req.call.peer(src)}", peer=src)
         self._cond.notify_all()

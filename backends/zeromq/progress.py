@@ -24,7 +24,7 @@ import zmq
 from collectives.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, PeerError
 
 from . import wire
-from .calls import Call, _group_rank, _Recv
+from .calls import Call, Recv, rank_in_group
 from .connect import LOST_GRACE_S, SLICE_S, _Inbound, _EVENTS, _NOBLOCK, _POLLIN, _RCVMORE
 from .wire import Kind
 
@@ -73,7 +73,7 @@ class Progress:
             with self._lock:
                 gs = self._groups.get(h.gid)
                 if gs is not None:
-                    self._fail_group(gs, f"rank {_group_rank(gs, peer)} reported: {text}",
+                    self._fail_group(gs, f"rank {rank_in_group(gs, peer)} reported: {text}",
                                      forward=False)
                 elif len(self._early_aborts) < 1024:  # a group this rank has yet to create
                     self._early_aborts[h.gid] = (peer, text)
@@ -166,12 +166,12 @@ class Progress:
             return call.deadline
         return time.monotonic() + call.timeout
 
-    def wait_recv(self, req: _Recv, timeout: Optional[float]) -> None:
+    def wait_recv(self, req: Recv, timeout: Optional[float]) -> None:
         if req.done:
             return
         self._wait(req, self._deadline(req.call, timeout), timeout, None)
 
-    def iter_parts(self, req: _Recv, timeout: Optional[float]) -> Iterator[tuple[int, Any]]:
+    def iter_parts(self, req: Recv, timeout: Optional[float]) -> Iterator[tuple[int, Any]]:
         """The parts of a ``frames`` receive, in order, each as soon as it arrived."""
         deadline = self._deadline(req.call, timeout)
         frames, i = req.frames, 0
@@ -186,7 +186,7 @@ class Progress:
             else:
                 self._wait(req, deadline, timeout, lambda: len(frames) > i)
 
-    def _wait(self, req: _Recv, deadline: float, timeout: Optional[float],
+    def _wait(self, req: Recv, deadline: float, timeout: Optional[float],
               ready: Optional[Callable[[], bool]]) -> None:
         """Make progress until ``req`` is done (or ``ready()``), failed, or ``deadline``
         passed (CollectiveTimeout naming op, seq and the rank waited for). One waiter at
@@ -241,7 +241,7 @@ class Progress:
                     self._token = False
                     self._cond.notify_all()
 
-    def test_recv(self, req: _Recv) -> bool:
+    def test_recv(self, req: Recv) -> bool:
         if not (req.done or req.error is not None):
             self._drain_if_free()
         return req.done or req.error is not None
