@@ -1,11 +1,11 @@
 """What the zmq engine keeps per operation and per group: a :class:`Call` (one operation:
-group, name, sequence number, signature, deadline), a posted receive (``Recv``), a
-message that arrived before its receive (``Message``), a tensor whose first parts arrived
-(``Partial``), a group's matching state (``GroupState``), the Works of sends and
-receives, and how calls are compared (what is wrong when a message does not fit the
-call it meets) and described in errors. The engine
-itself is :mod:`backends.zeromq.engine`, its matching :mod:`backends.zeromq.matching` and
-its progress :mod:`backends.zeromq.progress`.
+group, name, sequence number, signature, deadline), a posted receive (:class:`Recv`), a
+message that arrived before its receive (:class:`Message`), a tensor whose first parts
+arrived (:class:`Partial`), a group's matching state (:class:`GroupState`), the Works of
+sends and receives, and how calls are compared (what is wrong when a message does not fit
+the call it meets) and described in errors. Plain data and pure functions (the Works
+wait through the engine's :class:`~backends.zeromq.progress.Progress`, which they are
+given): the objects that act on them are the engine's parts (:mod:`backends.zeromq.engine`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import numpy as np
 from collectives.work import Work
 
 from . import wire
-
 
 
 class Call:
@@ -111,16 +110,19 @@ class GroupState:
 
 
 class RecvWork(Work):
-    __slots__ = ("_engine", "_req")
+    """A posted receive, waited for through the engine's
+    :class:`~backends.zeromq.progress.Progress`."""
 
-    def __init__(self, engine: Any, req: Recv) -> None:
-        self._engine, self._req = engine, req
+    __slots__ = ("_progress", "_req")
+
+    def __init__(self, progress: Any, req: Recv) -> None:
+        self._progress, self._req = progress, req
 
     def wait(self, timeout: Optional[float] = None) -> None:
-        self._engine.wait_recv(self._req, timeout)
+        self._progress.wait_recv(self._req, timeout)
 
     def is_completed(self) -> bool:
-        return self._engine.test_recv(self._req)
+        return self._progress.test_recv(self._req)
 
 
 class PartsWork(RecvWork):
@@ -131,18 +133,20 @@ class PartsWork(RecvWork):
     def parts(self, timeout: Optional[float] = None) -> Iterator[tuple[int, memoryview]]:
         """Yield ``(byte offset, bytes)`` of each part in order, as soon as it arrived;
         raises like ``wait``."""
-        return self._engine.iter_parts(self._req, timeout)
+        return self._progress.iter_parts(self._req, timeout)
 
 
 class SendWork(Work):
-    __slots__ = ("_engine", "_call", "_dst", "_tracker")
+    """A send, done once libzmq released its zero-copy frames (``tracker``; None: none)."""
 
-    def __init__(self, engine: Any, call: Call, dst: int, tracker: Any) -> None:
-        self._engine, self._call, self._dst, self._tracker = engine, call, dst, tracker
+    __slots__ = ("_progress", "_call", "_dst", "_tracker")
+
+    def __init__(self, progress: Any, call: Call, dst: int, tracker: Any) -> None:
+        self._progress, self._call, self._dst, self._tracker = progress, call, dst, tracker
 
     def wait(self, timeout: Optional[float] = None) -> None:
         if self._tracker is not None:
-            self._engine.wait_send(self._tracker, self._call, self._dst, timeout)
+            self._progress.wait_send(self._tracker, self._call, self._dst, timeout)
             self._tracker = None
 
     def is_completed(self) -> bool:
