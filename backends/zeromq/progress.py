@@ -140,9 +140,18 @@ class Progress:
     def look_for_closed_connections(self) -> None:
         """Lock held: when a peer's connection closed and nobody waits to notice (a rank
         that only sends, e.g. gather to another root), read the sockets now, so that the
-        calls after a death fail instead of sending on into a broken group."""
-        if self._token or not (self._liveness.lost or self._look_at_monitor()):
+        calls after a death fail instead of sending on into a broken group. The monitor
+        is asked at most once per MONITOR_LOOK_S (a look costs far more than the clock;
+        waiters look anyway)."""
+        if self._token:
             return
+        if not self._liveness.lost:
+            now = time.monotonic()
+            if now < self._next_look:
+                return
+            self._next_look = now + MONITOR_LOOK_S
+            if not self._conns.monitor_pending():
+                return
         cond = self._cond
         self._token = True
         cond.release()
@@ -152,15 +161,6 @@ class Progress:
             cond.acquire()
             self._token = False
             cond.notify_all()
-
-    def _look_at_monitor(self) -> bool:
-        """Lock held, token free: the monitor holds an event; asked at most once per
-        MONITOR_LOOK_S (a look costs far more than the clock; waiters look anyway)."""
-        now = time.monotonic()
-        if now < self._next_look:
-            return False
-        self._next_look = now + MONITOR_LOOK_S
-        return self._conns.monitor_pending()
 
     def drain_if_free(self, also: Optional[Callable[[], bool]] = None) -> None:
         """Read what the sockets hold, unless another thread holds the progress token
