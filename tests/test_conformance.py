@@ -123,8 +123,8 @@ _SIZE_CONSTANT = re.compile(r"^_?[A-Z][A-Z0-9_]*(_BYTES|_MIN|_MAX)$")
 _NOT_A_SWITCH = {
     "backends.shm.channels.HEADER_BYTES", "backends.shm.segment.HEADER_BYTES",
     "backends.zeromq.native.SCRATCH_KEEP_BYTES", "backends.zeromq.auth.NONCE_BYTES",
-    "backends.zeromq.auth.MAC_BYTES", "backends.zeromq.connect.RECONNECT_IVL_MS",
-    "backends.zeromq.wire.MAX_DIMS", "backends.zeromq.connect.RECONNECT_IVL_MAX_MS",
+    "backends.zeromq.auth.MAC_BYTES", "backends.zeromq.sockets.RECONNECT_IVL_MS",
+    "backends.zeromq.wire.MAX_DIMS", "backends.zeromq.sockets.RECONNECT_IVL_MAX_MS",
     "backends.shm.segment.BELL_BYTE", "backends.shm.futex._WAKE_ALL",
     "collectives.thresholds.MARGIN", "collectives.testing.strategies.LARGE_BYTES",
     # whether the fast path keeps a tensor's host view for the next call (the same

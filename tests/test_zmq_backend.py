@@ -232,7 +232,7 @@ def _job_reduce_from_received_parts():
         if r == late:
             time.sleep(0.3)
             before = pg.transport.stats["unexpected"]
-            pg.transport._engine._drain_if_free()  # read what the peers sent before this rank's call
+            pg.transport._engine._progress.drain_if_free()  # read what the peers sent first
             unexpected = pg.transport.stats["unexpected"] > before
         pg.all_reduce(a, op=op)
         pair = n == 2 and a.nbytes <= native.PAIR_ONE_ROUND_BYTES
@@ -293,16 +293,12 @@ def test_rendezvous_connection_retries_within_milliseconds():
     """A rank connecting to the rendezvous before rank 0 listens retries after a few ms,
     backing off to 50 ms (libzmq's fixed 100 ms made 1 world creation in 3 take ~150 ms
     instead of ~5 ms); data connections, made once every peer listens, never retry."""
-    from backends.zeromq import connect
-
-    class _Sockets(connect.Connector):
-        def __init__(self, ctx):
-            self._ctx, self._heartbeat_s = ctx, 5.0
+    from backends.zeromq import sockets
 
     ctx = zmq.Context()
     try:
-        maker = _Sockets(ctx)
-        rdv, data = maker._new_dealer(False, reconnect=True), maker._new_dealer(False, False)
+        rdv = sockets.new_dealer(ctx, 5.0, False, reconnect=True)
+        data = sockets.new_dealer(ctx, 5.0, False, reconnect=False)
         assert rdv.getsockopt(zmq.RECONNECT_IVL) <= 10
         assert 10 < rdv.getsockopt(zmq.RECONNECT_IVL_MAX) <= 100
         assert data.getsockopt(zmq.RECONNECT_IVL) == -1

@@ -1,10 +1,11 @@
 """What the zmq engine keeps per operation and per group: a :class:`Call` (one operation:
-group, name, sequence number, signature, deadline), a posted receive (``_Recv``), a
-message that arrived before its receive (``_Msg``), a tensor whose first parts arrived
-(``_Partial``), a group's matching state (``_GroupState``), the Works of sends and
-receives, and how call signatures are compared and described in errors. The engine
-itself is :mod:`backends.zeromq.engine`, its matching :mod:`backends.zeromq.matching` and
-its progress :mod:`backends.zeromq.progress`.
+group, name, sequence number, signature, deadline), a posted receive (:class:`Recv`), a
+message that arrived before its receive (:class:`Message`), a tensor whose first parts
+arrived (:class:`Partial`), a group's matching state (:class:`GroupState`), the Works of
+sends and receives, and how calls are compared (what is wrong when a message does not fit
+the call it meets) and described in errors. Plain data and pure functions (the Works
+wait through the engine's :class:`~backends.zeromq.progress.Progress`, which they are
+given): the objects that act on them are the engine's parts (:mod:`backends.zeromq.engine`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import numpy as np
 from collectives.work import Work
 
 from . import wire
-
 
 
 class Call:
@@ -57,7 +57,7 @@ class Call:
         return f"rank {r} (world rank {world})"
 
 
-class _Recv:
+class Recv:
     """A posted receive. Normally the payload is copied into ``view``; with ``frames``
     (a list) the parts are kept as received, ``(byte offset, buffer)`` in order, for the
     caller to read (e.g. reduce) without a copy into ``view`` first."""
@@ -76,24 +76,24 @@ class _Recv:
         self.frames = frames
 
 
-class _Msg:
+class Message:
     __slots__ = ("header", "buf")
 
     def __init__(self, header: wire.Header, buf: np.ndarray) -> None:
         self.header, self.buf = header, buf
 
 
-class _Partial:
+class Partial:
     """A tensor whose first parts arrived: into a posted receive, or a buffer."""
 
     __slots__ = ("req", "msg", "header", "next")
 
-    def __init__(self, req: Optional["_Recv"], msg: Optional["_Msg"], header: wire.Header) -> None:
+    def __init__(self, req: Optional["Recv"], msg: Optional["Message"], header: wire.Header) -> None:
         self.req, self.msg, self.header = req, msg, header
         self.next = wire.part_size(header.nbytes, 0)
 
 
-class _GroupState:
+class GroupState:
     __slots__ = ("gid", "members", "active_seq", "active_sig", "done_seq", "done_sig",
                  "failed_upto", "error", "seen", "posted_from")
 
@@ -106,23 +106,26 @@ class _GroupState:
         self.failed_upto = -1
         self.error: Optional[str] = None
         self.seen: dict[int, wire.Header] = {}         # src -> its message of highest seq
-        self.posted_from: dict[int, set] = {}          # src -> posted collective _Recvs
+        self.posted_from: dict[int, set] = {}          # src -> posted collective Recvs
 
 
-class _RecvWork(Work):
-    __slots__ = ("_engine", "_req")
+class RecvWork(Work):
+    """A posted receive, waited for through the engine's
+    :class:`~backends.zeromq.progress.Progress`."""
 
-    def __init__(self, engine: Any, req: _Recv) -> None:
-        self._engine, self._req = engine, req
+    __slots__ = ("_progress", "_req")
+
+    def __init__(self, progress: Any, req: Recv) -> None:
+        self._progress, self._req = progress, req
 
     def wait(self, timeout: Optional[float] = None) -> None:
-        self._engine.wait_recv(self._req, timeout)
+        self._progress.wait_recv(self._req, timeout)
 
     def is_completed(self) -> bool:
-        return self._engine.test_recv(self._req)
+        return self._progress.test_recv(self._req)
 
 
-class _PartsWork(_RecvWork):
+class PartsWork(RecvWork):
     """A receive whose parts are read where they arrived (see :meth:`Engine.irecv_parts`)."""
 
     __slots__ = ()
@@ -130,18 +133,20 @@ class _PartsWork(_RecvWork):
     def parts(self, timeout: Optional[float] = None) -> Iterator[tuple[int, memoryview]]:
         """Yield ``(byte offset, bytes)`` of each part in order, as soon as it arrived;
         raises like ``wait``."""
-        return self._engine.iter_parts(self._req, timeout)
+        return self._progress.iter_parts(self._req, timeout)
 
 
-class _SendWork(Work):
-    __slots__ = ("_engine", "_call", "_dst", "_tracker")
+class SendWork(Work):
+    """A send, done once libzmq released its zero-copy frames (``tracker``; None: none)."""
 
-    def __init__(self, engine: Any, call: Call, dst: int, tracker: Any) -> None:
-        self._engine, self._call, self._dst, self._tracker = engine, call, dst, tracker
+    __slots__ = ("_progress", "_call", "_dst", "_tracker")
+
+    def __init__(self, progress: Any, call: Call, dst: int, tracker: Any) -> None:
+        self._progress, self._call, self._dst, self._tracker = progress, call, dst, tracker
 
     def wait(self, timeout: Optional[float] = None) -> None:
         if self._tracker is not None:
-            self._engine.wait_send(self._tracker, self._call, self._dst, timeout)
+            self._progress.wait_send(self._tracker, self._call, self._dst, timeout)
             self._tracker = None
 
     def is_completed(self) -> bool:
@@ -149,18 +154,18 @@ class _SendWork(Work):
 
 
 # ------------------------------------------------------------------------- helpers
-def _group_rank(gs: _GroupState, world: int) -> int:
+def rank_in_group(gs: GroupState, world: int) -> int:
     try:
         return gs.members.index(world)
     except ValueError:
         return world
 
 
-def _signature(h: wire.Header) -> tuple:
+def signature(h: wire.Header) -> tuple:
     return (h.op, h.dtype, h.sig_count, h.root, h.redop)
 
 
-def _sig_differs(a: tuple, b: tuple) -> bool:
+def sig_differs(a: tuple, b: tuple) -> bool:
     """Two call signatures (op, dtype, count, root, redop) disagree (ANY_COUNT matches
     every count)."""
     if a[2] != b[2] and wire.ANY_COUNT not in (a[2], b[2]):
@@ -168,16 +173,63 @@ def _sig_differs(a: tuple, b: tuple) -> bool:
     return (a[0], a[1], a[3], a[4]) != (b[0], b[1], b[3], b[4])
 
 
-def _describe_header(h: wire.Header) -> str:
+def describe_header(h: wire.Header) -> str:
     return wire.describe(h.op, h.seq, h.dtype, h.sig_count if h.sig_count != wire.ANY_COUNT
                          else h.count, (), wire.ANY_COUNT, h.root, h.redop)
 
 
-def _describe_sig(seq: int, sig: tuple) -> str:
+def describe_sig(seq: int, sig: tuple) -> str:
     op, dtype, count, root, redop = sig
     return wire.describe(op, seq, dtype, count if count != wire.ANY_COUNT else 0, (),
                          wire.ANY_COUNT, root, redop)
 
 
-def _describe_meta(meta: wire.Meta, dtype: int, op: str) -> str:
-    return _describe_sig(meta.seq, (meta.op, dtype, meta.sig_count, meta.root, meta.redop))
+def describe_meta(meta: wire.Meta, dtype: int, op: str) -> str:
+    return describe_sig(meta.seq, (meta.op, dtype, meta.sig_count, meta.root, meta.redop))
+
+
+# ---------------------------------------------------------------------- mismatches
+def receive_problem(req: Recv, h: wire.Header) -> Optional[str]:
+    """Why the message of header ``h`` cannot fill ``req`` (None when it can): both calls
+    described, as each rank made it."""
+    c = req.call
+    m = c.meta
+    same = (h.op == m.op and h.seq == m.seq and h.dtype == req.dtype and
+            h.nbytes == req.view.nbytes and h.count == req.count and
+            not sig_differs(signature(h), (m.op, req.dtype, m.sig_count, m.root, m.redop)))
+    if same:
+        return None
+    theirs = wire.describe(h.op, h.seq, h.dtype, h.count, h.shape, h.sig_count, h.root,
+                           h.redop)
+    mine = wire.describe(m.op, m.seq, req.dtype, req.count, req.shape, m.sig_count, m.root,
+                         m.redop)
+    what = "called" if c.collective else "sent"
+    return (f"{c.peer(req.src)} {what} {theirs} but this rank "
+            f"{'called' if c.collective else 'receives'} {mine}"
+            + ("" if c.collective else f" (tag {req.tag})"))
+
+
+def ahead_problem(req: Recv, theirs: str) -> str:
+    """``req``'s sender is already in a later collective, ``theirs`` (described)."""
+    c = req.call
+    return (f"{c.peer(req.src)} is already in {theirs} while this rank still expects its "
+            f"message of {describe_meta(c.meta, c.dtype, c.op)}: the ranks called "
+            f"different collectives, or with different sizes or roots")
+
+
+def sequence_problem(gs: GroupState, src: int, h: wire.Header) -> Optional[str]:
+    """Why a collective message from ``src`` cannot belong to a call this rank makes
+    (None when it can)."""
+    if h.seq <= gs.done_seq and h.seq > gs.failed_upto:
+        # Name this rank's own side too when it is the call just finished (a root or
+        # size mismatch usually shows there): both calls, as for the other mismatches.
+        mine = f" as {describe_sig(h.seq, gs.done_sig)}" \
+            if h.seq == gs.done_seq and gs.done_sig is not None else ""
+        return (f"rank {rank_in_group(gs, src)} sent {describe_header(h)}, a collective this "
+                f"rank already finished{mine} without that message: the ranks called it "
+                f"with different sizes, roots or dtypes")
+    if h.seq == gs.active_seq and gs.active_sig is not None and \
+            sig_differs(signature(h), gs.active_sig):
+        return (f"rank {rank_in_group(gs, src)} called {describe_header(h)} but this rank "
+                f"called {describe_sig(gs.active_seq, gs.active_sig)}")
+    return None

@@ -1,9 +1,22 @@
-"""The transport under every zmq group of a process: one :class:`Engine` per world, made of
-four parts. Start-up and authentication are :mod:`backends.zeromq.connect`; message
-matching (a posted receive meets its message) is :mod:`backends.zeromq.matching`; reading
-the sockets and waiting is :mod:`backends.zeromq.progress`. This module holds the state they
-share and what is left: groups and their sequence checks, sends, failing calls after a
-mismatch or a peer's death, and shutdown.
+"""The transport under every zmq group of a process: one :class:`Engine` per world, made
+of parts that are objects, each with its own state, which the engine holds:
+
+- :class:`~backends.zeromq.connections.Connections`: the context and the sockets (below),
+  the map from an inbound connection to the rank that authenticated on it, and closing;
+- :class:`~backends.zeromq.handshake.Handshake`: the rendezvous at rank 0 and the
+  authentication of every connection (its server side,
+  :class:`~backends.zeromq.handshake_server.HandshakeServer`, also turns away any later
+  one);
+- :class:`~backends.zeromq.matching.Matcher`: posted receives meet messages, each group's
+  sequence checks, and which request fails when a call mismatches or a peer is gone;
+- :class:`~backends.zeromq.progress.Progress`: the progress token, reading the sockets,
+  and every wait;
+- :class:`~backends.zeromq.liveness.Liveness`: which peers are gone, and why.
+
+The engine creates the one lock (with its condition variable) that guards the matcher's
+state and the progress token, and gives it to both; it also shares its ``stats``
+counters. What is left here: the calls of the groups (``begin``/``end``, ``isend``,
+``irecv``) and closing the whole in order.
 
 Sockets (per rank)
     one ROUTER, bound on ``tcp://<routed address>:<ephemeral>`` and
@@ -15,11 +28,11 @@ Sockets (per rank)
 Threads
     none of our own. libzmq's I/O thread moves bytes; progress (reading the ROUTER,
     matching, copying into the destination array) is made by whichever thread waits, under
-    a *progress token* (:mod:`backends.zeromq.progress`): one waiter polls the ROUTER and
-    its monitor, the others sleep on a condition variable and are woken when the poller
-    completes their request. Sends are made by the calling thread, through the peer's
-    DEALER under a per-peer lock. An ``async_op`` collective runs on the group's executor
-    thread (the base class), which is just one more waiter.
+    the *progress token*: one waiter polls the ROUTER and its monitor, the others sleep on
+    the condition variable and are woken when the poller completes their request. Sends
+    are made by the calling thread, through the peer's DEALER under a per-peer lock. An
+    ``async_op`` collective runs on the group's executor thread (the base class), which
+    is just one more waiter.
 
 Liveness
     ZMTP heartbeats (``ZMQ_HEARTBEAT_IVL``/``TIMEOUT``) on every connection close a
@@ -39,31 +52,29 @@ Liveness
 
 from __future__ import annotations
 
-import collections
 import os
 import threading
-import time
 from typing import Any, Mapping, Optional
 
 import numpy as np
 import zmq
 
-from collectives.errors import CollectiveError, CollectiveMismatch, PeerError
+from collectives import settings
+from collectives.errors import PeerError
 from collectives.work import Work
 
 from . import wire
-from .addresses import IpcDir
-from .calls import (Call, _describe_header, _describe_sig, _group_rank, _GroupState, _Partial,
-                    _SendWork, _sig_differs, _signature)
-from .wire import Kind
-
-from .connect import (SLICE_S, ZERO_COPY_MIN, Connector, _Inbound, _live_engines,
-                      _maybe_stop_gc, _NOBLOCK, _SNDMORE)
+from .addresses import resolve_master
+from .calls import Call, PartsWork, Recv, RecvWork, SendWork
+from .connections import Connections
+from .handshake import MIN_INIT_TIMEOUT, Handshake
+from .liveness import Liveness
 from .matching import Matcher
 from .progress import Progress
+from .wire import Kind
 
 
-class Engine(Matcher, Progress, Connector):
+class Engine:
     """All sockets of one world, shared by its sub-groups."""
 
     def __init__(self, rendezvous: Any, timeout: float, env: Optional[Mapping[str, str]] = None) -> None:
@@ -73,383 +84,137 @@ class Engine(Matcher, Progress, Connector):
         self._where0 = f"[rank {self.rank}/{self.size}] zmq"
         self.stats = {"rejected": 0, "bad_proofs": 0, "refused": 0, "unexpected": 0}
         self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._token = False
-        self._closed: Optional[str] = None   # "closed" or "aborted" once it is
-        self._posted: dict[tuple, collections.deque] = {}
-        self._unexpected: dict[tuple, collections.deque] = {}
-        self._partial: dict[tuple, _Partial] = {}
-        self._groups: dict[int, _GroupState] = {}
-        self._early_aborts: dict[int, tuple[int, str]] = {}
-        self._down: dict[int, str] = {}
-        self._dead: set[int] = set()  # the ranks in _down that went without saying BYE
-        self._next_look = 0.0  # when begin() may next look at the monitor
-        self._lost: dict[int, float] = {}
-        self._fd_rank: dict[int, int] = {}
-        self._dealers: list[Optional[zmq.Socket]] = [None] * self.size
-        self._dealer_locks = [threading.Lock() for _ in range(self.size)]
-        self._ctx: Optional[zmq.Context] = None
-        self._router: Optional[zmq.Socket] = None
-        self._monitor: Optional[zmq.Socket] = None
-        self._inbound: Optional[_Inbound] = None
-        self._ipc: Optional[IpcDir] = None
-        self.endpoints: dict[str, str] = {}
-        self.connections: dict[int, str] = {}
-        self.mode = "local"
-        self.malloc = "unused"  # a world of one receives nothing (see heap.py)
-        self._key: Optional[bytes] = None
-        self.table: list[dict] = []
+        cond = threading.Condition(self._lock)
+        liveness = self._liveness = Liveness()
+        self._connections = Connections(self.rank, self.size, self.stats, liveness)
+        self._handshake = Handshake(self._connections, liveness, self.rank, self.size,
+                                    self.stats, self._where0)
+        self._matcher = Matcher(self.rank, self._lock, cond, self.stats, liveness,
+                                self._connections)
+        spin_s = settings.ZMQ_SPIN_US.get(env) * 1e-6 if self.size > 1 else 0.0
+        self._progress = Progress(cond, self.rank, self.stats, self._connections,
+                                  self._handshake, self._matcher, liveness, spin_s)
+        self._matcher.register_group(0, tuple(range(self.size)))
         if self.size > 1:
             try:
                 self._start(rendezvous, env)
             except BaseException:
-                self._teardown(linger_ms=0)
+                self._connections.close(linger=False)
                 raise
-        _live_engines.add(self)
 
-    # ======================================================================== groups
+    def _start(self, rdzv: Any, env: Mapping[str, str]) -> None:
+        """Open the sockets and authenticate a connection to and from every peer."""
+        master = resolve_master(rdzv.master_addr, rdzv.master_port, f"{self._where0} init")
+        init_timeout = settings.ZMQ_INIT_TIMEOUT.get(env) or max(self.timeout,
+                                                                 MIN_INIT_TIMEOUT)
+        self._handshake.choose_key(rdzv, env, master)
+        self._connections.open(master, env)
+        self._handshake.run(init_timeout, drain=self._progress.drain)
+        self._connections.started()
+
+    # ================================================================== introspection
+    @property
+    def mode(self) -> str:
+        """The authentication mode (``secret``, ``file``, ``open``; ``local``: one rank)."""
+        return self._handshake.mode
+
+    @property
+    def endpoints(self) -> dict:
+        """Where this rank's ROUTER listens (``tcp``, and ``ipc`` when bound)."""
+        return self._connections.endpoints
+
+    @property
+    def sends_to(self) -> dict:
+        """Peer -> the endpoint this rank's DEALER to it is connected to."""
+        return self._connections.sends_to
+
+    @property
+    def malloc(self) -> str:
+        """What was done to malloc so that libzmq's buffers are reused (see heap.py)."""
+        return self._connections.malloc
+
+    # ========================================================================= groups
     def register_group(self, gid: int, members: tuple) -> None:
-        with self._lock:
-            gs = self._groups.get(gid)
-            if gs is None:
-                gs = self._groups[gid] = _GroupState(gid, members)
-                early = self._early_aborts.pop(gid, None)
-                if early is not None:  # a member failed in it before this rank created it
-                    gs.error = f"rank {_group_rank(gs, early[0])} reported: {early[1]}"
-                for key, q in self._unexpected.items():  # what members sent before that
-                    if key[1] == gid:
-                        for msg in q:
-                            seen = gs.seen.get(key[0])
-                            if msg.header.seq != wire.NO_SEQ and (seen is None or
-                                                                  msg.header.seq > seen.seq):
-                                gs.seen[key[0]] = msg.header
+        self._matcher.register_group(gid, members)
 
     def unregister_group(self, gid: int) -> None:
-        with self._lock:
-            self._groups.pop(gid, None)
-            for table in (self._unexpected, self._posted, self._partial):
-                for key in [k for k in table if k[1] == gid]:
-                    del table[key]
+        self._matcher.unregister_group(gid)
 
     def begin(self, call: Call, sig: tuple) -> None:
         """A collective starts on this rank: check what its peers already sent."""
         with self._lock:
-            self._check_open(call)
-            gs = self._groups[call.gid]
-            if gs.error:
-                raise CollectiveMismatch(f"{call.where}: the group is unusable after an "
-                                         f"earlier error: {gs.error}")
-            if not self._token and (self._lost or self._look_at_monitor()):
-                # A peer's connection closed and nobody waits to notice (a rank that only
-                # sends, e.g. gather to another root): look now, so that the calls after
-                # a death fail instead of sending on into a broken group.
-                self._token = True
-                self._lock.release()
-                try:
-                    self._drain()
-                finally:
-                    self._lock.acquire()
-                    self._token = False
-                    self._cond.notify_all()
-            if self._dead:
-                self._raise_if_member_dead(call)
-            gs.active_seq, gs.active_sig = call.seq, sig
-            for key, q in self._unexpected.items():
-                if key[1] != call.gid:
-                    continue
-                for msg in q:
-                    if msg.header.seq == wire.NO_SEQ:  # point to point
-                        continue
-                    problem = self._check_sequence(gs, key[0], msg.header)
-                    if problem:
-                        self._fail_group(gs, problem, forward=True)
-                        raise CollectiveMismatch(f"{call.where}: {problem}")
+            self._progress.raise_if_closed(call)
+            self._matcher.raise_if_failed(call)
+            self._progress.look_for_closed_connections()
+            if self._liveness.dead:
+                self._liveness.raise_if_member_dead(call)
+            self._matcher.begin(call, sig)
 
     def end(self, call: Call, ok: bool) -> None:
-        with self._lock:
-            gs = self._groups.get(call.gid)
-            if gs is None:
-                return
-            if call.seq >= gs.done_seq:
-                gs.done_seq, gs.done_sig = call.seq, gs.active_sig
-            gs.active_seq, gs.active_sig = -1, None
-            if not ok:
-                gs.failed_upto = max(gs.failed_upto, call.seq)
-                for key in [k for k, p in self._partial.items()
-                            if p.req is not None and p.req.call is call]:
-                    del self._partial[key]
-                for key in list(self._posted):
-                    q = self._posted[key]
-                    kept = collections.deque(r for r in q if r.call is not call)
-                    for r in q:
-                        if r.call is call:
-                            self._unindex(r)
-                    if kept:
-                        self._posted[key] = kept
-                    else:
-                        del self._posted[key]
+        self._matcher.end(call, ok)
 
-    def _raise_if_member_dead(self, call: Call) -> None:
-        """Lock held: PeerError naming the first member of ``call``'s group that died (a
-        collective over it cannot complete)."""
-        for m in call.members:
-            if m in self._dead:
-                why = self._down[m]
-                raise PeerError(f"{call.where}: {call.peer(m)} {why}; a collective over it "
-                                f"cannot complete", peer=m)
-
-    def _check_sequence(self, gs: _GroupState, src: int, h: wire.Header) -> Optional[str]:
-        """Why a collective message from ``src`` cannot belong to a call this rank makes
-        (None when it can)."""
-        if h.seq <= gs.done_seq and h.seq > gs.failed_upto:
-            # Name this rank's own side too when it is the call just finished (a root or
-            # size mismatch usually shows there): both calls, as for the other mismatches.
-            mine = f" as {_describe_sig(h.seq, gs.done_sig)}" \
-                if h.seq == gs.done_seq and gs.done_sig is not None else ""
-            return (f"rank {_group_rank(gs, src)} sent {_describe_header(h)}, a collective this "
-                    f"rank already finished{mine} without that message: the ranks called it "
-                    f"with different sizes, roots or dtypes")
-        if h.seq == gs.active_seq and gs.active_sig is not None and \
-                _sig_differs(_signature(h), gs.active_sig):
-            return (f"rank {_group_rank(gs, src)} called {_describe_header(h)} but this rank "
-                    f"called {_describe_sig(gs.active_seq, gs.active_sig)}")
-        return None
-
-    # ========================================================================== sends
-    def _check_open(self, call: Call) -> None:
-        if self._closed:
-            raise CollectiveError(f"{call.where}: the group is {self._closed}")
-
+    # ========================================================================== calls
     def isend(self, call: Call, dst: int, tag: int, array: np.ndarray) -> Work:
-        self._check_open(call)
-        gs = self._groups.get(call.gid)
-        if gs is not None and gs.error:
-            raise CollectiveMismatch(f"{call.where}: the group is unusable after an earlier "
-                                     f"error: {gs.error}")
-        why = self._down.get(dst)
+        self._progress.raise_if_closed(call)
+        self._matcher.raise_if_failed(call)
+        liveness = self._liveness
+        why = liveness.down.get(dst)
         if why is not None:
             raise PeerError(f"{call.where}: cannot send to {call.peer(dst)}: it {why}", peer=dst)
-        if self._dead and call.collective:  # a member died after this collective began
+        if liveness.dead and call.collective:  # a member died after this collective began
             with self._lock:
-                self._raise_if_member_dead(call)
+                liveness.raise_if_member_dead(call)
         header = wire.pack(Kind.DATA, self.rank, dst, meta=call.meta, gid=call.gid, tag=tag,
                            array=array)
         flat = array.reshape(-1).view(np.uint8) if array.size else None
-        frames = []
-        with self._dealer_locks[dst]:  # the parts of one message never interleave with others
-            sock = self._dealers[dst]
-            if sock is None:
-                raise CollectiveError(f"{call.where}: the group is closed")
-            try:
-                if flat is None:
-                    sock.send(header, _NOBLOCK)
-                elif flat.size <= wire.INLINE_MAX:
-                    sock.send(wire.pack_inline(header, flat.data), _NOBLOCK)
-                else:
-                    for off in range(0, flat.size, wire.FRAME_MAX):
-                        chunk = flat[off:off + wire.FRAME_MAX]
-                        sock.send(wire.with_offset(header, off) if off else header,
-                                  _NOBLOCK | _SNDMORE)
-                        if chunk.size >= ZERO_COPY_MIN:
-                            f = zmq.Frame(chunk, track=True, copy=False)
-                            sock.send(f, 0, copy=False)
-                            frames.append(f)
-                        else:
-                            sock.send(chunk, 0, copy=True)
-            except zmq.Again:
-                raise PeerError(f"{call.where}: {call.peer(dst)} is unreachable (its "
-                                f"connection closed)", peer=dst) from None
+        frames = self._connections.send_tensor(call, dst, header, flat)
         tracker = zmq.MessageTracker(*frames) if frames else None
-        return _SendWork(self, call, dst, tracker)
+        return SendWork(self._progress, call, dst, tracker)
 
-    # ======================================================================= failures
-    def _fail_group(self, gs: _GroupState, problem: str, forward: bool) -> None:
-        """Lock held: the group's calls fail with CollectiveMismatch from now on; with
-        ``forward``, tell the other members (they fail too instead of waiting)."""
-        if gs.error:
-            return
-        gs.error = problem
-        for key in [k for k in self._partial if k[1] == gs.gid]:
-            r = self._partial.pop(key).req
-            if r is not None and r.error is None and not r.done:
-                r.error = CollectiveMismatch(f"{r.call.where}: {problem}")
-        for key in [k for k in self._posted if k[1] == gs.gid]:
-            for r in self._posted.pop(key):
-                if r.error is None and not r.done:
-                    r.error = CollectiveMismatch(f"{r.call.where}: {problem}")
-        gs.posted_from.clear()
-        self._cond.notify_all()
-        if forward:
-            me = _group_rank(gs, self.rank)
-            text = f"rank {me} detected: {problem}".encode()[:4000]
-            for p in gs.members:
-                if p == self.rank or p in self._down:
-                    continue
-                with self._dealer_locks[p]:
-                    sock = self._dealers[p]
-                    if sock is None:
-                        continue
-                    try:
-                        sock.send_multipart([wire.pack(Kind.ABORT, self.rank, p, gid=gs.gid,
-                                                       meta=wire.Meta(0, max(gs.active_seq, 0))),
-                                             text], zmq.NOBLOCK)
-                    except zmq.ZMQError:
-                        pass
+    def irecv(self, call: Call, src: int, tag: int, array: np.ndarray,
+              frames: bool = False) -> Work:
+        req = Recv(call, src, tag, array, [] if frames else None)
+        with self._lock:
+            self._progress.raise_if_closed(call)
+            self._matcher.post(req)
+        return PartsWork(self._progress, req) if frames else RecvWork(self._progress, req)
 
-    def _mark_down(self, peer: int, why: str, died: bool = False) -> None:
-        """Lock held: ``peer`` is gone; fail every receive waiting for it, and when it
-        ``died`` (no BYE: it cannot have finished its part), every collective wait in a
-        group it belongs to."""
-        if peer in self._down:
-            return
-        self._down[peer] = why
-        if died:
-            self._dead.add(peer)
-        for key in [k for k in self._partial if k[0] == peer]:
-            r = self._partial.pop(key).req
-            if r is not None and r.error is None and not r.done:
-                r.error = PeerError(f"{r.call.where}: {r.call.peer(peer)} {why} in the middle "
-                                    f"of a message", peer=peer)
-        for key in [k for k in self._posted if k[0] == peer]:
-            for r in self._posted.pop(key):
-                self._unindex(r)
-                if r.error is None and not r.done:
-                    r.error = PeerError(f"{r.call.where}: {r.call.peer(peer)} {why} before "
-                                        f"sending the message this rank waits for", peer=peer)
-        if not died:  # a rank that closed its group had finished every call it made
-            self._cond.notify_all()
-            return
-        # A collective over the dead rank cannot complete even where this rank waits for
-        # another member (which may wait for the dead one, or give up on it): fail those
-        # waits too, naming the dead rank, rather than let them time out naming a survivor.
-        groups = {gid for gid, gs in self._groups.items() if peer in gs.members}
-        for key in [k for k in self._partial if k[1] in groups]:
-            r = self._partial[key].req
-            if r is not None and r.call.collective:
-                del self._partial[key]
-                if r.error is None and not r.done:
-                    r.error = PeerError(f"{r.call.where}: {r.call.peer(peer)} {why}; a "
-                                        f"collective over it cannot complete", peer=peer)
-        for key in [k for k in self._posted if k[1] in groups]:
-            q = self._posted[key]
-            kept = collections.deque(r for r in q if not r.call.collective)
-            for r in q:
-                if r.call.collective:
-                    self._unindex(r)
-                    if r.error is None and not r.done:
-                        r.error = PeerError(f"{r.call.where}: {r.call.peer(peer)} {why}; a "
-                                            f"collective over it cannot complete", peer=peer)
-            if kept:
-                self._posted[key] = kept
-            else:
-                del self._posted[key]
-        self._cond.notify_all()
+    def irecv_parts(self, call: Call, src: int, tag: int, like: np.ndarray) -> PartsWork:
+        """Receive a message shaped like ``like`` without copying it anywhere: its parts
+        stay in the buffers they arrived in, read in order through ``parts()`` (a
+        reduction reads them straight from there, saving a copy of every byte). Same
+        checks, errors and timeouts as :meth:`irecv`; ``like`` is not written."""
+        return self.irecv(call, src, tag, like, frames=True)
 
-    # ========================================================================== close
+    # ========================================================================= closing
     def close(self) -> None:
         """Say goodbye to the peers, close every socket and the context (sends still queued
         get at most COLLECTIVES_ZMQ_LINGER_S), remove the ipc directory."""
-        mine = self._shut("closed", wait_s=2.0)
+        mine = self._progress.shut("closed", wait_s=2.0)
         if mine is None:
             return
-        if mine and self._router is not None:
+        if mine and self._connections.router is not None:
             # Read the BYEs of peers that closed first: a BYE (or a queued send) to them
-            # would wait out the whole linger in ctx.term (2 s, in 1 close in 15).
+            # would wait out the whole linger in ctx.term.
             try:
-                self._drain()
+                self._progress.drain()
             except zmq.ZMQError:
                 pass
             with self._lock:  # what the drain queued for the closed group
-                self._posted.clear()
-                self._unexpected.clear()
-                self._partial.clear()
-        for p, sock in enumerate(self._dealers):
-            if sock is None:
-                continue
-            with self._dealer_locks[p]:
-                if p not in self._down:
-                    try:
-                        sock.send(wire.pack(Kind.BYE, self.rank, p), zmq.NOBLOCK)
-                    except zmq.ZMQError:
-                        pass
-        self._teardown(linger_ms=int(getattr(self, "_linger_s", 0) * 1000))
+                self._matcher.clear()
+        self._connections.say_bye()
+        self._connections.close(linger=True)
 
     def abort(self) -> None:
         """End every wait now and close every socket without a goodbye and without
         lingering: the peers see this rank's connections drop, as if it died, and fail
         their calls over it. A waiter in the sockets hands the progress token back within
-        a slice (``SLICE_S``: its poll is bounded by it) and raises; only a waiter that
-        did not within a second would leave the sockets open (to the process's exit)."""
-        mine = self._shut("aborted", wait_s=1.0)
-        if mine:
-            self._teardown(linger_ms=0)
+        a slice (``progress.SLICE_S``: its poll is bounded by it) and raises; only a waiter
+        that did not within a second would leave the sockets open (to the process's exit)."""
+        if self._progress.shut("aborted", wait_s=1.0):
+            self._connections.close(linger=False)
 
     def abort_group(self, gid: int) -> None:
         """A sub-group was aborted: its waits fail now, its later calls fail, and its
         other members are told (they fail instead of waiting); the world goes on."""
-        with self._lock:
-            gs = self._groups.get(gid)
-            if gs is not None:
-                self._fail_group(gs, "the group was aborted", forward=True)
-
-    def _shut(self, how: str, wait_s: float) -> Optional[bool]:
-        """Mark the engine closed (``how``: "closed", "aborted"), fail every posted and
-        partly received request, and take the progress token once its holder hands it
-        back (at most ``wait_s``). Returns whether this thread now owns the sockets (None:
-        the engine was closed already)."""
-        with self._cond:
-            if self._closed:
-                return None
-            self._closed = how
-            until = time.monotonic() + wait_s  # a waiter hands the token back within a slice
-            self._cond.notify_all()
-            while self._token and time.monotonic() < until:
-                self._cond.wait(SLICE_S)
-            mine = not self._token  # else a waiter is stuck in the sockets: leave them
-            self._token = True
-            for q in self._posted.values():
-                for r in q:
-                    if r.error is None and not r.done:
-                        r.error = CollectiveError(f"{r.call.where}: the group was {how}")
-            for part in self._partial.values():
-                r = part.req
-                if r is not None and r.error is None and not r.done:
-                    r.error = CollectiveError(f"{r.call.where}: the group was {how}")
-            self._posted.clear()
-            self._unexpected.clear()
-            self._partial.clear()
-            self._cond.notify_all()
-        return mine
-
-    def _teardown(self, linger_ms: int) -> None:
-        for p, sock in enumerate(self._dealers):
-            if sock is not None:
-                with self._dealer_locks[p]:
-                    # nothing queued for a rank that is gone can be delivered: no linger
-                    sock.close(linger=0 if p in self._down else linger_ms)
-                    self._dealers[p] = None
-        for out in list(getattr(self, "_outbound", {}).values()):
-            if not out.sock.closed:
-                out.sock.close(0)
-        if self._router is not None:
-            try:
-                self._router.disable_monitor()
-            except zmq.ZMQError:
-                pass
-            self._router.close(0)
-            self._router = None
-        if self._monitor is not None:
-            self._monitor.close(0)
-            self._monitor = None
-        for attr in ("_rdv_in", "_rdv_out"):
-            end = getattr(self, attr, None)
-            if end is not None and not end.sock.closed:
-                end.sock.close(0)
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
-        if self._ipc is not None:
-            self._ipc.remove()
-            self._ipc = None
-        _live_engines.discard(self)
-        _maybe_stop_gc()
+        self._matcher.abort_group(gid)

@@ -20,7 +20,7 @@ from collectives.thresholds import SizeThreshold
 from collectives.work import Work
 
 from . import auth, native, wire
-from .connect import ZERO_COPY_MIN
+from .sockets import ZERO_COPY_MIN
 from .calls import Call
 from .engine import Engine
 
@@ -94,7 +94,7 @@ class ZmqBackend(Backend):
     def connections(self) -> dict:
         """Group rank -> the endpoint this rank sends to it through (``ipc://`` or
         ``tcp://``)."""
-        return {self._members.index(w): e for w, e in self._engine.connections.items()
+        return {self._members.index(w): e for w, e in self._engine.sends_to.items()
                 if w in self._members}
 
     @property
@@ -148,7 +148,7 @@ class ZmqBackend(Backend):
         return native.paths((
             SizeThreshold("zmq.wire.INLINE_MAX (one frame: header and bytes)",
                           wire.INLINE_MAX, moving),
-            SizeThreshold("zmq.connect.ZERO_COPY_MIN (frames sent zero-copy)",
+            SizeThreshold("zmq.sockets.ZERO_COPY_MIN (frames sent zero-copy)",
                           ZERO_COPY_MIN, moving),
             SizeThreshold("zmq.wire.FRAME_MAX (several messages)", wire.FRAME_MAX, moving)))
 

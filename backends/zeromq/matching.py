@@ -1,86 +1,140 @@
 """Message matching of the zmq engine: a receive that a call posts meets the message a peer
-sent for it, whichever comes first. A receive posted before its message waits in
-``_posted``; a message that arrives before its receive waits in ``_unexpected``; a tensor
-that travels as several parts is followed in ``_partial`` until its last part is in. Every
-match compares the header with what the receive expects, and a mismatch fails the receive
-(and a collective's whole group, on every member).
+sent for it, whichever comes first (what waits meanwhile is kept in a
+:class:`~backends.zeromq.pending.Pending`). Every match compares the header with what the
+receive expects, and each group's collectives are checked against the sequence numbers
+its members' messages carry; a mismatch fails the receive and a collective's whole group,
+on every member (an ABORT tells the others). A peer that is gone fails what waits for it.
 
-This is the part of :class:`~backends.zeromq.engine.Engine` that decides where each byte
-goes; when and by which thread the sockets are read is :mod:`backends.zeromq.progress`.
-The tables it works on, and the lock that guards them, are the engine's.
+:class:`Matcher` decides where each byte goes and which request fails; when and by which
+thread the sockets are read is :class:`~backends.zeromq.progress.Progress`'s. Its state
+is guarded by the engine's one lock, given to it with the condition variable on which
+waiters sleep (it wakes them when a request completes or fails).
 """
 
 from __future__ import annotations
 
-import collections
-from typing import Optional
+import threading
+from typing import Callable, Optional
 
 import numpy as np
 import zmq
 
-from collectives.errors import CollectiveMismatch, PeerError
-from collectives.work import Work
+from collectives.errors import CollectiveError, CollectiveMismatch, PeerError
 
 from . import wire
-from .calls import (Call, _describe_header, _describe_meta, _Msg, _Partial, _PartsWork, _Recv,
-                    _RecvWork, _sig_differs, _signature)
-from .connect import _NOBLOCK, _RCVMORE
-
-
-_HAS_RECV_INTO = hasattr(zmq.Socket, "recv_into")
+from .calls import (Call, GroupState, Message, Partial, Recv, ahead_problem, describe_header,
+                    rank_in_group, receive_problem, sequence_problem)
+from .connections import Connections
+from .liveness import Liveness
+from .pending import Pending
+from .sockets import RCVMORE, discard_rest, recv_part
+from .wire import Kind
 
 
 class Matcher:
-    """The matching part of :class:`~backends.zeromq.engine.Engine`."""
+    """Posted receives, early messages and the groups' sequence checks of one rank."""
+
+    def __init__(self, rank: int, lock: threading.Lock, cond: threading.Condition, stats: dict,
+                 liveness: Liveness, connections: Connections) -> None:
+        self._rank = rank
+        self._lock, self._cond = lock, cond
+        self._stats = stats
+        self._liveness = liveness
+        self._conns = connections  # to tell a failed group's other members
+        self._pending = Pending()
+        self._groups: dict[int, GroupState] = {}
+        self._early_aborts: dict[int, tuple[int, str]] = {}
+
+    # ========================================================================= groups
+    def register_group(self, gid: int, members: tuple) -> None:
+        with self._lock:
+            gs = self._groups.get(gid)
+            if gs is not None:
+                return
+            gs = self._groups[gid] = GroupState(gid, members)
+            early = self._early_aborts.pop(gid, None)
+            if early is not None:  # a member failed in it before this rank created it
+                gs.error = f"rank {rank_in_group(gs, early[0])} reported: {early[1]}"
+            for src, msg in self._pending.unexpected_in(gid):  # what members sent before
+                seen = gs.seen.get(src)
+                if msg.header.seq != wire.NO_SEQ and (seen is None or msg.header.seq > seen.seq):
+                    gs.seen[src] = msg.header
+
+    def unregister_group(self, gid: int) -> None:
+        with self._lock:
+            self._groups.pop(gid, None)
+            self._pending.drop_group(gid)
+
+    def raise_if_failed(self, call: Call) -> None:
+        """CollectiveMismatch when ``call``'s group failed earlier (with or without the
+        lock: it reads one attribute)."""
+        gs = self._groups.get(call.gid)
+        if gs is not None and gs.error:
+            raise CollectiveMismatch(f"{call.where}: the group is unusable after an earlier "
+                                     f"error: {gs.error}")
+
+    def begin(self, call: Call, sig: tuple) -> None:
+        """Lock held: ``call`` (signature ``sig``) is the collective its group runs now;
+        check what its peers already sent for it."""
+        gs = self._groups[call.gid]
+        gs.active_seq, gs.active_sig = call.seq, sig
+        for src, msg in self._pending.unexpected_in(call.gid):
+            if msg.header.seq == wire.NO_SEQ:  # point to point
+                continue
+            problem = sequence_problem(gs, src, msg.header)
+            if problem:
+                self._fail_group(gs, problem, forward=True)
+                raise CollectiveMismatch(f"{call.where}: {problem}")
+
+    def end(self, call: Call, ok: bool) -> None:
+        """``call`` returned (``ok``) or raised: a failed call's receives are forgotten."""
+        with self._lock:
+            gs = self._groups.get(call.gid)
+            if gs is None:
+                return
+            if call.seq >= gs.done_seq:
+                gs.done_seq, gs.done_sig = call.seq, gs.active_sig
+            gs.active_seq, gs.active_sig = -1, None
+            if not ok:
+                gs.failed_upto = max(gs.failed_upto, call.seq)
+                self._drop(lambda k: True, lambda r: r.call is call)
 
     # ================================================================ posted receives
-    def irecv_parts(self, call: Call, src: int, tag: int, like: np.ndarray) -> "_PartsWork":
-        """Receive a message shaped like ``like`` without copying it anywhere: its parts
-        stay in the buffers they arrived in, read in order through ``parts()`` (a
-        reduction reads them straight from there, saving a copy of every byte). Same
-        checks, errors and timeouts as :meth:`irecv`; ``like`` is not written."""
-        return self.irecv(call, src, tag, like, frames=True)
-
-    def irecv(self, call: Call, src: int, tag: int, array: np.ndarray,
-              frames: bool = False) -> Work:
-        req = _Recv(call, src, tag, array, [] if frames else None)
+    def post(self, req: Recv) -> None:
+        """Lock held: ``req`` meets the message that waits for it (done, or failed with
+        the mismatch raised), or waits for it."""
+        call, src = req.call, req.src
         collective = call.collective  # a collective of ours (sequence numbers are checked)
-        with self._lock:
-            self._check_open(call)
-            gs = self._groups.get(call.gid)
-            if gs is not None and gs.error:
-                raise CollectiveMismatch(f"{call.where}: the group is unusable after an "
-                                         f"earlier error: {gs.error}")
-            q = self._unexpected.get(req.key)
-            if q:
-                msg = q.popleft()
-                if not q:
-                    del self._unexpected[req.key]
-                problem = self._compare(req, msg.header)
-                if problem:
-                    self._mismatch(req, problem)
-                    raise req.error
-                self._fill(req, msg.buf)
-                req.done = True
-                return _PartsWork(self, req) if frames else _RecvWork(self, req)
-            if collective and gs is not None:
-                seen = gs.seen.get(src)
-                if seen is not None and seen.seq > call.seq:
-                    self._mismatch(req, self._ahead_text(req, _describe_header(seen)))
-                    raise req.error
-            why = self._down.get(src)
-            if why is not None:
-                raise PeerError(f"{call.where}: {call.peer(src)} {why} before sending the "
-                                f"message this rank waits for", peer=src)
-            if collective and self._dead:  # a member died after this collective began
-                self._raise_if_member_dead(call)
-            self._posted.setdefault(req.key, collections.deque()).append(req)
-            if collective and gs is not None:
-                gs.posted_from.setdefault(src, set()).add(req)
-        return _PartsWork(self, req) if frames else _RecvWork(self, req)
+        gs = self._groups.get(call.gid)
+        if gs is not None and gs.error:
+            self.raise_if_failed(call)  # raises
+        msg = self._pending.take_unexpected(req.key)
+        if msg is not None:
+            problem = receive_problem(req, msg.header)
+            if problem:
+                self._mismatch(req, problem)
+                raise req.error
+            self._fill(req, msg.buf)
+            req.done = True
+            return
+        if collective and gs is not None:
+            seen = gs.seen.get(src)
+            if seen is not None and seen.seq > call.seq:
+                self._mismatch(req, ahead_problem(req, describe_header(seen)))
+                raise req.error
+        liveness = self._liveness
+        why = liveness.down.get(src)
+        if why is not None:
+            raise PeerError(f"{call.where}: {call.peer(src)} {why} before sending the "
+                            f"message this rank waits for", peer=src)
+        if collective and liveness.dead:  # a member died after this collective began
+            liveness.raise_if_member_dead(call)
+        self._pending.post(req)
+        if collective and gs is not None:
+            gs.posted_from.setdefault(src, set()).add(req)
 
     @staticmethod
-    def _fill(req: _Recv, buf: np.ndarray) -> None:
+    def _fill(req: Recv, buf: np.ndarray) -> None:
         """A whole message that arrived before ``req`` was posted goes to ``req``."""
         if req.frames is not None:
             if buf.size:
@@ -88,7 +142,7 @@ class Matcher:
         elif buf.size:
             req.view[...] = buf
 
-    def _unindex(self, req: _Recv) -> None:
+    def _unindex(self, req: Recv) -> None:
         if req.call.collective:
             gs = self._groups.get(req.call.gid)
             if gs is not None:
@@ -96,30 +150,7 @@ class Matcher:
                 if s is not None:
                     s.discard(req)
 
-    def _ahead_text(self, req: _Recv, theirs: str) -> str:
-        c = req.call
-        return (f"{c.peer(req.src)} is already in {theirs} while this rank still expects its "
-                f"message of {_describe_meta(c.meta, c.dtype, c.op)}: the ranks called "
-                f"different collectives, or with different sizes or roots")
-
-    def _compare(self, req: _Recv, h: wire.Header) -> Optional[str]:
-        c = req.call
-        m = c.meta
-        same = (h.op == m.op and h.seq == m.seq and h.dtype == req.dtype and
-                h.nbytes == req.view.nbytes and h.count == req.count and
-                not _sig_differs(_signature(h), (m.op, req.dtype, m.sig_count, m.root, m.redop)))
-        if same:
-            return None
-        theirs = wire.describe(h.op, h.seq, h.dtype, h.count, h.shape, h.sig_count, h.root,
-                               h.redop)
-        mine = wire.describe(m.op, m.seq, req.dtype, req.count, req.shape, m.sig_count, m.root,
-                             m.redop)
-        what = "called" if c.collective else "sent"
-        return (f"{c.peer(req.src)} {what} {theirs} but this rank "
-                f"{'called' if c.collective else 'receives'} {mine}"
-                + ("" if c.collective else f" (tag {req.tag})"))
-
-    def _mismatch(self, req: _Recv, problem: str) -> None:
+    def _mismatch(self, req: Recv, problem: str) -> None:
         """Fail ``req`` (lock held); a collective's group is failed everywhere."""
         c = req.call
         req.error = CollectiveMismatch(f"{c.where}: {problem}")
@@ -129,41 +160,38 @@ class Matcher:
                 self._fail_group(gs, problem, forward=True)
 
     # ======================================================================= arrivals
-    def _on_data(self, src: int, h: wire.Header, data: Optional[bytes]) -> None:
+    def on_data(self, sock: zmq.Socket, src: int, h: wire.Header, data: Optional[bytes]) -> None:
         """A DATA message (one part of a tensor) from authenticated ``src``, its payload
-        frame still unread; or an INLINE message, ``data`` (header and payload)."""
+        frame still unread on ``sock``; or an INLINE message, ``data`` (header and payload)."""
         key = (src, h.gid, h.tag)
         with self._lock:
             if h.offset:
-                self._on_later_part(src, key, h)
+                self._on_later_part(sock, src, key, h)
                 return
             gs = self._groups.get(h.gid)
             if gs is not None and h.seq != wire.NO_SEQ:  # a collective of ours
-                problem = None if gs.error else self._check_sequence(gs, src, h)
+                problem = None if gs.error else sequence_problem(gs, src, h)
                 seen = gs.seen.get(src)
                 if seen is None or h.seq > seen.seq:
                     gs.seen[src] = h
                 for req in list(gs.posted_from.get(src, ())):
                     if req.call.seq < h.seq and not req.done and req.error is None:
-                        problem = problem or self._ahead_text(req, _describe_header(h))
+                        problem = problem or ahead_problem(req, describe_header(h))
                 if problem:
-                    self._discard(self._router)
+                    discard_rest(sock)
                     self._fail_group(gs, problem, forward=True)
                     return
-            q = self._posted.get(key)
-            if q:
-                req = q.popleft()
-                if not q:
-                    del self._posted[key]
+            req = self._pending.take_posted(key)
+            if req is not None:
                 self._unindex(req)
-                problem = self._compare(req, h)
+                problem = receive_problem(req, h)
                 if problem:
-                    self._discard(self._router)
+                    discard_rest(sock)
                     self._mismatch(req, problem)
-                elif not self._recv_part(h, req.view, data, req.frames):
+                elif not recv_part(sock, h, req.view, data, req.frames):
                     self._malformed(req, src)
                 elif wire.part_size(h.nbytes, 0) < h.nbytes:
-                    self._partial[key] = _Partial(req, None, h)
+                    self._pending.start_partial(key, Partial(req, None, h))
                     if req.frames is not None:
                         self._cond.notify_all()  # a reader of the parts may start
                     return
@@ -173,39 +201,40 @@ class Matcher:
                 return
             if data is not None:  # keep the INLINE frame: read-only, never written
                 buf = np.frombuffer(data, np.uint8, h.nbytes, wire.HEADER.size)
-                if self._router.get(_RCVMORE):
-                    self._discard(self._router)
-                    self.stats["rejected"] += 1
+                if sock.get(RCVMORE):
+                    discard_rest(sock)
+                    self._stats["rejected"] += 1
                     return
             else:
                 buf = np.empty(h.nbytes, np.uint8)
-                if not self._recv_part(h, buf):
-                    self.stats["rejected"] += 1
+                if not recv_part(sock, h, buf):
+                    self._stats["rejected"] += 1
                     return
-            self.stats["unexpected"] += 1
-            msg = _Msg(h, buf)
+            self._stats["unexpected"] += 1
+            msg = Message(h, buf)
             if wire.part_size(h.nbytes, 0) < h.nbytes:
-                self._partial[key] = _Partial(None, msg, h)
+                self._pending.start_partial(key, Partial(None, msg, h))
             else:
-                self._unexpected.setdefault(key, collections.deque()).append(msg)
+                self._pending.keep(key, msg)
 
-    def _on_later_part(self, src: int, key: tuple, h: wire.Header) -> None:
+    def _on_later_part(self, sock: zmq.Socket, src: int, key: tuple, h: wire.Header) -> None:
         """Lock held: part ``h.offset`` of a tensor whose first part arrived."""
-        part = self._partial.get(key)
+        pending = self._pending
+        part = pending.partial(key)
         if part is None or part.next != h.offset or part.header.nbytes != h.nbytes:
-            self._discard(self._router)  # e.g. the rest of a message whose call failed
+            discard_rest(sock)  # e.g. the rest of a message whose call failed
             if part is not None:
-                del self._partial[key]
+                pending.end_partial(key)
                 if part.req is not None:
                     self._malformed(part.req, src)
             return
         req = part.req
         if req is not None:
-            ok = self._recv_part(h, req.view, None, req.frames)
+            ok = recv_part(sock, h, req.view, None, req.frames)
         else:
-            ok = self._recv_part(h, part.msg.buf)
+            ok = recv_part(sock, h, part.msg.buf)
         if not ok:
-            del self._partial[key]
+            pending.end_partial(key)
             if part.req is not None:
                 self._malformed(part.req, src)
             return
@@ -214,18 +243,15 @@ class Matcher:
             if req is not None and req.frames is not None:
                 self._cond.notify_all()  # a reader of the parts may go on
             return
-        del self._partial[key]
+        pending.end_partial(key)
         if part.req is not None:
             part.req.done = True
             self._cond.notify_all()
             return
-        q = self._posted.get(key)  # a receive posted while the message was arriving
-        if q:
-            req = q.popleft()
-            if not q:
-                del self._posted[key]
+        req = pending.take_posted(key)  # a receive posted while the message was arriving
+        if req is not None:
             self._unindex(req)
-            problem = self._compare(req, part.msg.header)
+            problem = receive_problem(req, part.msg.header)
             if problem:
                 self._mismatch(req, problem)
             else:
@@ -233,50 +259,103 @@ class Matcher:
                 req.done = True
             self._cond.notify_all()
         else:
-            self._unexpected.setdefault(key, collections.deque()).append(part.msg)
+            pending.keep(key, part.msg)
 
-    def _malformed(self, req: _Recv, src: int) -> None:
+    def _malformed(self, req: Recv, src: int) -> None:
         req.error = PeerError(f"{req.call.where}: malformed message from "
                               f"{req.call.peer(src)}", peer=src)
         self._cond.notify_all()
 
-    def _recv_part(self, h: wire.Header, view: np.ndarray, data: Optional[bytes] = None,
-                   frames: Optional[list] = None) -> bool:
-        """Read the payload of part ``h.offset`` into ``view`` (bytes of the tensor): from
-        ``data`` (an INLINE frame), or the next frame; with ``frames``, append that frame
-        itself (zero-copy) as ``(offset, buffer)`` instead."""
-        sock = self._router
-        size = wire.part_size(h.nbytes, h.offset) if h.nbytes else 0
-        try:
-            if data is not None:  # parse() checked len(data) == header + nbytes
-                if frames is not None:
-                    frames.append((0, memoryview(data)[wire.HEADER.size:]))
-                else:
-                    view[:size] = np.frombuffer(data, np.uint8, size, wire.HEADER.size)
-            elif size and frames is not None:
-                if not sock.get(_RCVMORE):
-                    return False
-                frame = sock.recv(_NOBLOCK, copy=False)
-                if len(frame) != size:
-                    self._discard(sock)
-                    return False
-                frames.append((h.offset, frame.buffer))
-            elif size:
-                if not sock.get(_RCVMORE):
-                    return False
-                if _HAS_RECV_INTO:
-                    got = sock.recv_into(view[h.offset:h.offset + size], flags=_NOBLOCK)
-                else:  # pyzmq < 26.4: one more copy, out of libzmq's buffer
-                    frame = sock.recv(_NOBLOCK, copy=False)
-                    got = len(frame.buffer)
-                    if got == size:
-                        view[h.offset:h.offset + size] = np.frombuffer(frame.buffer, np.uint8)
-                if got != size:
-                    self._discard(sock)
-                    return False
-        except zmq.Again:
-            return False
-        if sock.get(_RCVMORE):
-            self._discard(sock)
-            return False
-        return True
+    # ======================================================================= failures
+    def abort_group(self, gid: int) -> None:
+        """This rank aborted group ``gid``: its waits fail, and its other members are told."""
+        with self._lock:
+            gs = self._groups.get(gid)
+            if gs is not None:
+                self._fail_group(gs, "the group was aborted", forward=True)
+
+    def on_abort(self, peer: int, gid: int, text: str) -> None:
+        """``peer`` failed group ``gid`` (``text``: why): so does this rank."""
+        with self._lock:
+            gs = self._groups.get(gid)
+            if gs is not None:
+                self._fail_group(gs, f"rank {rank_in_group(gs, peer)} reported: {text}",
+                                 forward=False)
+            elif len(self._early_aborts) < 1024:  # a group this rank has yet to create
+                self._early_aborts[gid] = (peer, text)
+
+    def _fail_group(self, gs: GroupState, problem: str, forward: bool) -> None:
+        """Lock held: the group's calls fail with CollectiveMismatch from now on; with
+        ``forward``, tell the other members (they fail too instead of waiting)."""
+        if gs.error:
+            return
+        gs.error = problem
+        gid = gs.gid
+        self._fail(self._drop(lambda k: k[1] == gid),
+                   lambda r: CollectiveMismatch(f"{r.call.where}: {problem}"))
+        gs.posted_from.clear()
+        self._cond.notify_all()
+        if forward:
+            rank = self._rank
+            text = f"rank {rank_in_group(gs, rank)} detected: {problem}".encode()[:4000]
+            meta = wire.Meta(0, max(gs.active_seq, 0))
+            down = self._liveness.down
+            for p in gs.members:
+                if p != rank and p not in down:
+                    self._conns.send_control(p, [wire.pack(Kind.ABORT, rank, p, gid=gid,
+                                                           meta=meta), text])
+
+    def peer_down(self, peer: int, why: str, died: bool = False) -> None:
+        """Lock held: ``peer`` is gone; fail every receive waiting for it, and when it
+        ``died`` (no BYE: it cannot have finished its part), every collective wait in a
+        group it belongs to."""
+        if not self._liveness.mark_down(peer, why, died):
+            return
+        pending = self._pending
+        self._fail(pending.drop_partial(lambda k: k[0] == peer),
+                   lambda r: PeerError(f"{r.call.where}: {r.call.peer(peer)} {why} in the "
+                                       f"middle of a message", peer=peer))
+        self._fail(self._unindexed(pending.drop_posted(lambda k: k[0] == peer)),
+                   lambda r: PeerError(f"{r.call.where}: {r.call.peer(peer)} {why} before "
+                                       f"sending the message this rank waits for", peer=peer))
+        if died:
+            # A collective over the dead rank cannot complete even where this rank waits
+            # for another member (which may wait for the dead one, or give up on it): fail
+            # those waits too, naming the dead rank, rather than let them time out naming
+            # a survivor. (A rank that said BYE had finished every call it made.)
+            groups = {gid for gid, gs in self._groups.items() if peer in gs.members}
+            self._fail(self._drop(lambda k: k[1] in groups, lambda r: r.call.collective),
+                       lambda r: PeerError(f"{r.call.where}: {r.call.peer(peer)} {why}; a "
+                                           f"collective over it cannot complete", peer=peer))
+        self._cond.notify_all()
+
+    def fail_all(self, how: str) -> None:
+        """Lock held: the engine was closed or aborted (``how``): every request fails, and
+        everything kept is forgotten."""
+        self._fail(self._pending.waiting(),
+                   lambda r: CollectiveError(f"{r.call.where}: the group was {how}"))
+        self._pending.clear()
+
+    def clear(self) -> None:
+        """Lock held: forget every request and every message kept (the engine is closing)."""
+        self._pending.clear()
+
+    def _drop(self, key_ok: Callable[[tuple], bool],
+              req_ok: Optional[Callable[[Recv], bool]] = None) -> list[Recv]:
+        """Lock held: forget the receives, posted or partly received, whose key is
+        ``key_ok`` (and, given ``req_ok``, that are); return them."""
+        pending = self._pending
+        return pending.drop_partial(key_ok, req_ok) + \
+            self._unindexed(pending.drop_posted(key_ok, req_ok))
+
+    def _unindexed(self, reqs: list[Recv]) -> list[Recv]:
+        for r in reqs:
+            self._unindex(r)
+        return reqs
+
+    @staticmethod
+    def _fail(reqs: list[Recv], error: Callable[[Recv], BaseException]) -> None:
+        """Each of ``reqs`` fails with ``error(req)``, unless it is over already."""
+        for r in reqs:
+            if r.error is None and not r.done:
+                r.error = error(r)
