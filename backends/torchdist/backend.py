@@ -23,8 +23,8 @@ while a peer is still finishing its handshake.
 Every collective is torch's own (``allreduce``, ``_allgather_base``, ``alltoall_base``,
 ...) on the caller's memory: a contiguous CPU tensor goes to c10d as it is
 (``TorchBackend.stage``), a numpy array as a zero-copy ``torch.from_numpy`` view, the
-rest staged by the base class. gloo runs operations on two worker threads, as torch
-configures it; an operation whose memory overlaps that of an async operation still in
+rest staged by the group (:mod:`collectives.buffers`). gloo runs operations on two worker
+threads, as torch configures it; an operation whose memory overlaps that of an async operation still in
 flight (one of them writing) first waits for it, so two async all_reduces of one tensor
 run in issue order, as on every backend of this library, while disjoint ones (DDP's
 buckets) overlap. Where the library lacks something, a small correct step fills in:

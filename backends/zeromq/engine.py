@@ -31,8 +31,8 @@ Threads
     the *progress token*: one waiter polls the ROUTER and its monitor, the others sleep on
     the condition variable and are woken when the poller completes their request. Sends
     are made by the calling thread, through the peer's DEALER under a per-peer lock. An
-    ``async_op`` collective runs on the group's executor thread (the base class), which
-    is just one more waiter.
+    ``async_op`` collective runs on the group's executor thread (:mod:`collectives.running`),
+    which is just one more waiter.
 
 Liveness
     ZMTP heartbeats (``ZMQ_HEARTBEAT_IVL``/``TIMEOUT``) on every connection close a
