@@ -9,7 +9,7 @@ order alternates so that neither side always runs first), each run with the chec
 its working directory and first on ``PYTHONPATH``, and ``{json}`` replaced by a fresh file
 the benchmark writes its rows to (a JSON list of objects, or an object with ``rows``).
 Rows are matched across runs by the ``--key`` fields; for each, the table shows the
-median of ``--metric`` on each side, new/old, and every run's value in run order, so a
+median of each ``--metric`` on each side, new/old, and every run's value in run order, so a
 row that is bimodal shows both of its modes instead of one misleading median.
 
 It measures; it does not judge: the ratio is printed, never asserted.
@@ -53,31 +53,33 @@ def _key(row: dict, fields: list[str]) -> tuple:
 
 
 def compare(old: str, new: str, command: list[str], runs: int, key: list[str],
-            metric: str, timeout: float) -> list[dict[str, Any]]:
+            metrics: list[str], timeout: float) -> list[dict[str, Any]]:
     """``runs`` alternating runs of ``command`` in ``old`` and ``new``: one summary per
-    row key (both sides' values in run order, their medians, new/old)."""
+    row key and metric (both sides' values in run order, their medians, new/old)."""
     values: dict[tuple, dict[str, list]] = {}
     for i in range(runs):
         order = (("old", old), ("new", new)) if i % 2 == 0 else (("new", new), ("old", old))
         for side, tree in order:
             start = time.monotonic()
             for row in _run(tree, command, timeout):
-                if metric in row:
-                    values.setdefault(_key(row, key), {"old": [], "new": []})[side].append(
-                        row[metric])
+                for metric in metrics:
+                    if row.get(metric) is not None:
+                        values.setdefault(_key(row, key) + (metric,),
+                                          {"old": [], "new": []})[side].append(row[metric])
             print(f"# run {i + 1}/{runs} {side}: {time.monotonic() - start:.0f} s",
                   file=sys.stderr, flush=True)
     summary = []
     for k, sides in values.items():
         o = statistics.median(sides["old"]) if sides["old"] else float("nan")
         n = statistics.median(sides["new"]) if sides["new"] else float("nan")
-        summary.append({"key": dict(zip(key, k)), "old_median": o, "new_median": n,
+        summary.append({"key": dict(zip(key + ["metric"], k)), "old_median": o,
+                        "new_median": n,
                         "new_over_old": n / o if o else float("nan"),
                         "old": sides["old"], "new": sides["new"]})
     return summary
 
 
-def _format(summary: list[dict], metric: str) -> str:
+def _format(summary: list[dict]) -> str:
     def num(x: float) -> str:
         return f"{x:.4g}"
 
@@ -89,7 +91,7 @@ def _format(summary: list[dict], metric: str) -> str:
                      f" | {num(s['old_median'])} | {num(s['new_median'])} | "
                      f"{s['new_over_old']:.3f} | {', '.join(map(num, s['old']))} | "
                      f"{', '.join(map(num, s['new']))} |")
-    return f"{metric}, medians over alternating runs:\n" + "\n".join(lines)
+    return "medians over alternating runs:\n" + "\n".join(lines)
 
 
 def main() -> None:
@@ -99,7 +101,8 @@ def main() -> None:
     parser.add_argument("--new", default=".", help="checkout of the new commit")
     parser.add_argument("--runs", type=int, default=5, help="runs of each side")
     parser.add_argument("--key", required=True, help="comma list of the fields naming a row")
-    parser.add_argument("--metric", required=True, help="the field compared")
+    parser.add_argument("--metric", required=True,
+                        help="the field compared (a comma list: each in turn)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     parser.add_argument("--json", default=None, help="also write the summary here")
     parser.add_argument("command", nargs=argparse.REMAINDER,
@@ -109,8 +112,8 @@ def main() -> None:
     if not command or not any("{json}" in a for a in command):
         parser.error("give the benchmark after --, with {json} where its rows go")
     summary = compare(os.path.abspath(args.old), os.path.abspath(args.new), command,
-                      args.runs, args.key.split(","), args.metric, args.timeout)
-    print(_format(summary, args.metric))
+                      args.runs, args.key.split(","), args.metric.split(","), args.timeout)
+    print(_format(summary))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)
