@@ -42,7 +42,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .buffers import SUPPORTED_DTYPES, TORCH_TO_NUMPY, init_torch_table
+from . import dtypes
+from .buffers import TORCH_TO_NUMPY, init_torch_table
 from .reduce_op import ReduceOp
 from .running import check_open, failed, fast_failed, run_numbered
 from .validation import MAX_USER_TAG
@@ -62,10 +63,19 @@ _time = time.time
 #: hashing an int is cheaper than hashing a dtype or building a tuple, and an equal dtype
 #: that is not the canonical object (one with metadata) takes the general path. Members
 #: and canonical (native-endian) dtypes live as long as the interpreter.
-VALID_REDUCTIONS: dict[int, frozenset] = {
-    id(d): frozenset() if d == np.bool_ else frozenset(
+#: bfloat16 joins when first met (collectives.dtypes); until then its calls take the
+#: general path, which meets it.
+VALID_REDUCTIONS: dict[int, frozenset] = {}
+
+
+def _add_valid_reductions(d: np.dtype) -> None:
+    VALID_REDUCTIONS[id(d)] = frozenset() if d == np.bool_ else frozenset(
         id(op) for op in ReduceOp if not (op is ReduceOp.AVG and np.issubdtype(d, np.integer)))
-    for d in SUPPORTED_DTYPES}
+
+
+for _d in dtypes.NUMPY_DTYPES:
+    _add_valid_reductions(_d)
+dtypes.when_bfloat16(_add_valid_reductions)
 
 
 class HostViews:
