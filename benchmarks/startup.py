@@ -12,7 +12,9 @@ interleaved run by run, so that load hits them alike) of:
   ``torchrun --nproc-per-node N``; each once as a bare program and once as a program that
   imports torch (as every training script does);
 - ``python examples/ddp.py`` (two ranks, the README's quick start): its end-to-end time
-  beside the ``wall_s`` (training) and ``total_s`` its summary reports.
+  beside the ``wall_s`` (training) and ``total_s`` its summary reports;
+- ``python -c "import numpy"`` and ``python -c "import collectives"``: what the library
+  adds to a program's start.
 
 Every command runs this interpreter (``sys.executable``), not a ``python`` found on
 ``PATH`` (a version manager's shim there adds its own start-up to every command).
@@ -87,11 +89,17 @@ def measure(nprocs: list[int], methods: list[str], repeat: int, ddp: bool,
     for what, m, n, argv in cases:
         if argv is None:
             rows[(what, m, n)]["missing"] = f"{m} not found"
+    imports = [(f"import {m}", [sys.executable, "-c", f"import {m}"]) for m in
+               ("numpy", "collectives")]
+    for what, argv in imports:
+        rows[(what, "-", 1)] = {"job": what, "launcher": "-", "nproc": 1, "runs_s": []}
     if ddp:
         rows[("examples/ddp.py", "forkserver", 2)] = {
             "job": "examples/ddp.py", "launcher": "forkserver", "nproc": 2, "runs_s": [],
             "wall_s": [], "total_s": []}
     for i in range(repeat):
+        for what, argv in imports:
+            rows[(what, "-", 1)]["runs_s"].append(round(_timed(argv, _env("-"), timeout)[0], 3))
         for what, m, n, argv in cases:
             if argv is not None:
                 rows[(what, m, n)]["runs_s"].append(round(_timed(argv, _env(m), timeout)[0], 3))
