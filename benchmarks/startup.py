@@ -10,11 +10,12 @@ interleaved run by run, so that load hits them alike) of:
   else, started by ``collectives.spawn`` with each start method (``forkserver``, the
   default, and ``spawn``: ``COLLECTIVES_START_METHOD``), by ``mpiexec -n N`` and by
   ``torchrun --nproc-per-node N``; each once as a bare program and once as a program that
-  imports torch (as every training script does);
+  imports torch (as every training script does; under collectives.spawn it first asks
+  the fork server to import torch too, as the examples do: ``warm_start.prewarm``);
 - ``python examples/ddp.py`` (two ranks, the README's quick start): its end-to-end time
   beside the ``wall_s`` (training) and ``total_s`` its summary reports;
 - ``python -c "import numpy"`` and ``python -c "import collectives"``: what the library
-  adds to a program's start.
+  adds to a program's start; and ``python examples/ddp.py --backend foo``, refused.
 
 Every command runs this interpreter (``sys.executable``), not a ``python`` found on
 ``PATH`` (a version manager's shim there adds its own start-up to every command).
@@ -59,12 +60,13 @@ def _job_command(method: str, nproc: int, torch: bool) -> list[str] | None:
                                         "--job-rank", *flags]
 
 
-def _timed(argv: list[str], env: dict, timeout: float) -> tuple[float, str]:
+def _timed(argv: list[str], env: dict, timeout: float,
+           expect: int = 0) -> tuple[float, str]:
     start = time.perf_counter()
     done = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)
     seconds = time.perf_counter() - start
-    if done.returncode != 0:
+    if done.returncode != expect:
         raise RuntimeError(f"startup: {' '.join(argv)} exited with {done.returncode}:\n"
                            f"{done.stderr[-2000:]}")
     return seconds, done.stdout
@@ -91,7 +93,8 @@ def measure(nprocs: list[int], methods: list[str], repeat: int, ddp: bool,
             rows[(what, m, n)]["missing"] = f"{m} not found"
     imports = [(f"import {m}", [sys.executable, "-c", f"import {m}"]) for m in
                ("numpy", "collectives")]
-    for what, argv in imports:
+    refused = [sys.executable, "examples/ddp.py", "--backend", "foo"]   # exits 2
+    for what, argv in imports + [("examples/ddp.py --backend foo", refused)]:
         rows[(what, "-", 1)] = {"job": what, "launcher": "-", "nproc": 1, "runs_s": []}
     if ddp:
         rows[("examples/ddp.py", "forkserver", 2)] = {
@@ -100,6 +103,8 @@ def measure(nprocs: list[int], methods: list[str], repeat: int, ddp: bool,
     for i in range(repeat):
         for what, argv in imports:
             rows[(what, "-", 1)]["runs_s"].append(round(_timed(argv, _env("-"), timeout)[0], 3))
+        rows[("examples/ddp.py --backend foo", "-", 1)]["runs_s"].append(
+            round(_timed(refused, _env("-"), timeout, expect=2)[0], 3))
         for what, m, n, argv in cases:
             if argv is not None:
                 rows[(what, m, n)]["runs_s"].append(round(_timed(argv, _env(m), timeout)[0], 3))
@@ -158,12 +163,19 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     a = parser.parse_args(argv)
-    if a.torch:
-        import torch  # noqa: F401 - the program imports torch, as training scripts do
     if a.job_spawn is not None:
         import collectives
+        if a.torch:
+            try:   # as the examples do: the fork server imports torch beside this process
+                from collectives.warm_start import prewarm
+                prewarm(["torch", "parallel"])
+            except ImportError:   # a checkout from before the fork server
+                pass
+            import torch  # noqa: F401 - the program imports torch, as training scripts do
         collectives.spawn(_join_and_leave, a.job_spawn)
         return 0
+    if a.torch:
+        import torch  # noqa: F401,F811
     if a.job_rank:
         _join_and_leave()
         return 0

@@ -43,7 +43,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from . import dtypes
-from .buffers import TORCH_TO_NUMPY, init_torch_table
+from .buffers import torch_numpy_dtype
 from .reduce_op import ReduceOp
 from .running import check_open, failed, fast_failed, run_numbered
 from .validation import MAX_USER_TAG
@@ -78,6 +78,12 @@ for _d in dtypes.NUMPY_DTYPES:
 dtypes.when_bfloat16(_add_valid_reductions)
 
 
+def _first_bfloat16(dtype: np.dtype) -> Optional[frozenset]:
+    """On a dtype VALID_REDUCTIONS lacks: its reductions if it is the first bfloat16 met
+    (which completes every table), else None."""
+    return VALID_REDUCTIONS.get(id(dtype)) if dtypes.resolve(dtype) else None
+
+
 class HostViews:
     """``id(tensor)`` -> its flat host array, for contiguous CPU torch tensors.
 
@@ -100,6 +106,8 @@ class HostViews:
         view; None when it needs the general path."""
         if type(obj) is np.ndarray:   # (fast_collective checks it alike)
             valid = VALID_REDUCTIONS.get(id(obj.dtype))
+            if valid is None:
+                valid = _first_bfloat16(obj.dtype)
             if valid is not None and obj.flags.carray:
                 return (obj if obj.ndim == 1 else obj.reshape(-1)), obj.shape, valid, obj.dtype
             return None
@@ -115,8 +123,7 @@ class HostViews:
         torch = sys.modules.get("torch")
         if torch is None or not isinstance(obj, torch.Tensor):
             return None
-        init_torch_table(torch)
-        dt = TORCH_TO_NUMPY.get(obj.dtype)
+        dt = torch_numpy_dtype(torch, obj.dtype)
         if (dt is None or id(dt) not in VALID_REDUCTIONS or not obj.is_cpu
                 or not obj.is_contiguous() or obj.is_neg() or obj.is_conj()):
             return None
@@ -152,6 +159,8 @@ def fast_collective(group: Any, op: str, method: Callable[..., Any], tensor: Any
     if type(tensor) is np.ndarray:   # the rule of HostViews.lookup's first branch
         dtype = tensor.dtype
         valid = VALID_REDUCTIONS.get(id(dtype))
+        if valid is None:
+            valid = _first_bfloat16(dtype)
         # carray: C-contiguous, aligned and writeable, in one flag
         if valid is None or not tensor.flags.carray:
             return False

@@ -45,7 +45,7 @@ import multiprocessing.forkserver
 import multiprocessing.reduction
 import os
 import sys
-from typing import Any, Iterator, Mapping
+from typing import Iterator, Mapping, Sequence
 
 from . import settings
 
@@ -68,12 +68,36 @@ def start_method() -> str:
     return chosen
 
 
+#: Modules a program asked the server to preload (:func:`prewarm`).
+_requested: list[str] = []
+
+
 def preload_modules() -> list[str]:
-    """What the server imports, in order: the heavy modules this program uses."""
+    """What the server imports, in order: the heavy modules this program uses (torch and
+    ``parallel`` once it has imported torch) and those :func:`prewarm` was given."""
     modules = ["numpy", "collectives", "backends.shm"]
     if "torch" in sys.modules:
         modules += ["torch", "parallel"]
+    modules += [m for m in _requested if m not in modules]
     return modules + [_LAST_PRELOAD]
+
+
+def prewarm(modules: Sequence[str] = ()) -> None:
+    """Start the fork server now, preloading ``modules`` too, while this program goes on
+    (it imports in the background): a script that will spawn ranks calls it before its own
+    heavy imports, so that the server imports torch on one core while the script imports
+    it on another. A no-op under ``COLLECTIVES_START_METHOD=spawn`` or when the server is
+    running already. In a script that spawns its ranks::
+
+        collectives.warm_start.prewarm(["torch"])
+        import torch
+        ...
+        collectives.spawn(train, 2)
+    """
+    if start_method() != "forkserver":
+        return
+    _requested.extend(m for m in modules if m not in _requested)
+    context("forkserver")
 
 
 def context(method: str) -> multiprocessing.context.BaseContext:
@@ -138,11 +162,16 @@ def rank_setup(env: dict, method: str, streams: tuple) -> str:
 
 
 def run_exit_handlers(method: str) -> None:
-    """Under forkserver, run the rank's exit handlers (closing its open groups, ...) now:
-    a forked rank ends with ``os._exit``, which skips them, where a spawned one runs them
-    as its interpreter exits."""
-    if method == "forkserver":
-        atexit._run_exitfuncs()
+    """Under forkserver, do now what a spawned rank's interpreter does as it exits and a
+    forked rank's ``os._exit`` skips: run the exit handlers (closing its open groups, ...),
+    then finalise MPI where mpi4py initialised it (mpi4py finalises after the handlers;
+    MPICH removes its shared-memory files then)."""
+    if method != "forkserver":
+        return
+    atexit._run_exitfuncs()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 import collectives
+from collectives import warm_start
 from collectives.registry import check_backend_name
 
 __all__ = ["SUMMARY_KEYS", "launch", "parse_args", "print_summary", "process_start_time"]
@@ -101,6 +102,10 @@ def parse_args(example: str, argv: Optional[Sequence[str]] = None, *, epochs: in
             sys.exit(2)
     args.example = example
     args.started_at = process_start_time()
+    if collectives.detect_rendezvous().launcher == "single":
+        # This process will spawn the ranks: have the fork server import torch on one
+        # core while the example imports it on the other.
+        warm_start.prewarm(["torch", "parallel"])
     return args
 
 
