@@ -2,7 +2,8 @@
 run for): a blocking collective on a contiguous CPU tensor or array, checked, numbered,
 recorded and handed to its backend in about a microsecond; the same for the two-array
 collectives (``all_gather``, ``gather``, ``scatter``, ``reduce_scatter``: ``fast_pair``
-and ``fast_rooted`` check both arrays), ``all_to_all`` in equal parts and ``reduce``; and
+and ``fast_rooted`` check both arrays), ``all_to_all`` (equal parts or split sizes) and
+``reduce``; and
 a blocking ``send``/``recv``, checked, recorded and handed to the backend's
 ``send_now``/``recv_now`` (:mod:`collectives.backend`).
 
@@ -238,28 +239,60 @@ def fast_rooted(group: Any, op: str, method: Callable[..., Any], small: Any, big
     return True
 
 
-def fast_even_all_to_all(group: Any, output: Any, input: Any) -> bool:
-    """A blocking all_to_all in equal parts (no split sizes): when both arrays take the
-    path, share a dtype and have rows along dim 0 in a multiple of the group size, the
-    backend's ``all_to_all(out, inp, out_counts, in_counts, seq)`` under
+def split_counts(shape: Any, size: int, splits: Any, n: int) -> Optional[list]:
+    """Element counts per peer of one all_to_all array of ``shape`` (``size`` elements):
+    equal parts where ``splits`` is None, else ``splits`` rows each; None where the
+    general path must decide (and raise): a list or tuple of ``n`` plain non-negative
+    ints summing to the rows along dim 0 is all this takes, and no empty array (whose
+    row size the shape alone says)."""
+    rows = shape[0]
+    if not rows:
+        return None
+    if splits is None:
+        return None if rows % n else [size // n] * n
+    if (splits.__class__ is not list and splits.__class__ is not tuple) or len(splits) != n:
+        return None
+    total = 0
+    for s in splits:
+        if s.__class__ is not int or s < 0:
+            return None
+        total += s
+    if total != rows:
+        return None
+    row = size // rows
+    return list(splits) if row == 1 else [s * row for s in splits]
+
+
+def fast_all_to_all(group: Any, output: Any, input: Any, output_splits: Any,
+                    input_splits: Any) -> bool:
+    """A blocking all_to_all, in equal parts (split sizes None) or in the rows of the
+    split sizes: when both arrays take the path, share a dtype and have at least one
+    dimension, and the split sizes are plain ints that fit them (:func:`split_counts`),
+    the backend's ``all_to_all(out, inp, out_counts, in_counts, seq)`` under
     ``run_numbered`` with the counts the general path computes, and True; False leaves
-    the call to the general path (and its errors)."""
+    the call to the general path (and its errors). Expert parallelism calls this with
+    new split sizes every step, so they are checked here, not cached."""
     views = group._host_views
     found_out = views.lookup(output)
     if found_out is None:
         return False
     found_in = views.lookup(input)
-    n = group.size
     if found_in is None or found_in[3] is not found_out[3]:
         return False
     out_shape, in_shape = found_out[1], found_in[1]
-    if not out_shape or not in_shape or out_shape[0] % n or in_shape[0] % n:
+    if not out_shape or not in_shape:
+        return False
+    n = group.size
+    out, inp = found_out[0], found_in[0]
+    out_counts = split_counts(out_shape, out.size, output_splits, n)
+    if out_counts is None:
+        return False
+    in_counts = split_counts(in_shape, inp.size, input_splits, n)
+    if in_counts is None:
         return False
     check_open(group, "all_to_all")
-    out, inp = found_out[0], found_in[0]
     run_numbered(group, "all_to_all", group.transport.all_to_all,
-                 (out, inp, [out.size // n] * n, [inp.size // n] * n), None, found_in[3],
-                 -1, None)
+                 (out, inp, out_counts, in_counts), None, found_in[3], -1, None)
     return True
 
 
