@@ -7,6 +7,7 @@
 >>> pg.close()
 """
 
+from ._version import __version__
 from .backend import Backend, Capabilities
 from .errors import (CollectiveError, CollectiveMismatch, CollectiveTimeout, GroupAborted,
                      PeerError)
@@ -24,6 +25,7 @@ __all__ = [
     "GroupAborted", "PeerError", "PersistentRequest", "ProcessGroup", "ReduceOp",
     "Rendezvous", "SpawnError", "Work", "available_backends", "detect_rendezvous",
     "get_backend", "init_process_group", "new_group", "register_backend", "spawn",
+    "__version__",
 ]
 
 
