@@ -7,6 +7,8 @@
 >>> pg.close()
 """
 
+from . import logs
+from ._version import __version__
 from .backend import Backend, Capabilities
 from .errors import (CollectiveError, CollectiveMismatch, CollectiveTimeout, GroupAborted,
                      PeerError)
@@ -24,7 +26,12 @@ __all__ = [
     "GroupAborted", "PeerError", "PersistentRequest", "ProcessGroup", "ReduceOp",
     "Rendezvous", "SpawnError", "Work", "available_backends", "detect_rendezvous",
     "get_backend", "init_process_group", "new_group", "register_backend", "spawn",
+    "__version__",
 ]
+
+# The library never prints: its loggers stay silent unless COLLECTIVES_LOG_LEVEL or the
+# application's own logging set-up asks for them (collectives/logs.py).
+logs.configure()
 
 
 def new_group(group: ProcessGroup, ranks: list[int]) -> ProcessGroup:

@@ -176,9 +176,12 @@ def diagnose(documents: Sequence[dict]) -> str:
     return "\n\n".join(sections)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, *,
+         prog: str = "python -m collectives.doctor") -> int:
+    """The command line; returns the exit status (see the module docstring). ``prog``
+    names the command in its help (``collectives doctor`` from :mod:`collectives.cli`)."""
     parser = argparse.ArgumentParser(
-        prog="python -m collectives.doctor",
+        prog=prog,
         description="Show where the ranks of a failed job diverged, from their flight "
                     f"records ({settings.FLIGHT_DIR.name}, default <tmp>/collectives-flight).")
     parser.add_argument("paths", nargs="+", metavar="FILE_OR_DIR",

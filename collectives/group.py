@@ -20,13 +20,14 @@ backend moves bytes. Each of those jobs is a module of its own, called from here
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 import weakref
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from . import flight, objects, persistent, running, settings, symmetric
+from . import flight, logs, objects, persistent, running, settings, symmetric
 from .backend import Backend
 from .buffers import HostBuffer, host_dtype, to_host
 from .errors import GroupAborted
@@ -42,6 +43,8 @@ from .work import Work
 __all__ = ["MAX_USER_TAG", "ProcessGroup", "timeout_seconds"]
 
 Tensor = Any  # torch.Tensor or numpy.ndarray
+
+_log = logs.get_logger("group")
 
 
 class ProcessGroup:
@@ -100,6 +103,8 @@ class ProcessGroup:
         # return Works or take something else than host arrays.
         self._host_views = HostViews()
         self._fast = not self._debug and not caps.returns_work and caps.memory == "host"
+        if _log.isEnabledFor(logging.DEBUG):   # (the path table costs a few calls)
+            _log.debug("new group: %s", self.describe())
 
     @property
     def timeout(self) -> float:
@@ -486,6 +491,8 @@ class ProcessGroup:
         """
         if self._aborted is not None:
             return
+        _log.warning("group %r (rank %d of %d) aborted: %s", self._flight_name, self.rank,
+                     self.size, reason)
         self._aborted = reason
         self._closed = True
         for child in list(self._children):

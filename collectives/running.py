@@ -24,13 +24,14 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from . import call_check, flight
+from . import call_check, flight, logs
 from .buffers import HostBuffer
 from .errors import CollectiveError, CollectiveTimeout, GroupAborted, add_note
 from .reduce_op import ReduceOp
 from .work import Work
 
 _time = time.time
+_log = logs.get_logger("group")
 
 
 # --------------------------------------------------------------------------- state
@@ -250,6 +251,8 @@ def check_same_call(group: Any, op: str, check_seq: int, seq: int, shape: Any,
 def record_failure(group: Any, rec: Optional[list], exc: BaseException) -> None:
     """An operation failed: note it in the flight record and, for a communication
     error, write the record out and say where in the error."""
+    if isinstance(exc, CollectiveError):   # (a timeout, a dead peer, a mismatch ...)
+        _log.warning("group %r: %s: %s", group._flight_name, type(exc).__name__, exc)
     if rec is None:
         return
     flight.Recorder.finish(rec, exc)
@@ -262,6 +265,7 @@ def record_failure(group: Any, rec: Optional[list], exc: BaseException) -> None:
     except OSError as dump_error:
         add_note(exc, f"[rank {group.rank}] could not write the flight record: {dump_error}")
         return
+    _log.warning("group %r: flight record written to %s", group._flight_name, path)
     add_note(exc, f"[rank {group.rank}] flight record: {path}\n  compare the ranks with: "
                   f"python -m collectives.doctor {os.path.dirname(path)}")
 

@@ -152,6 +152,10 @@ START_METHOD = _s("START_METHOD", "choice", None, "spawn",
                   default_doc="forkserver where the platform has it, else spawn")
 DEBUG = _s("DEBUG", "flag", False, "all",
            "check before every collective that all ranks make the same call")
+LOG_LEVEL = _s("LOG_LEVEL", "choice", None, "all",
+               "log the library's logger tree (collectives.*) from this level on, to "
+               "standard error with the rank", choices=("debug", "info", "warning", "error"),
+               default_doc="unset: no handler of ours (the application's logging decides)")
 FLIGHT_RECORDER = _s("FLIGHT_RECORDER", "int", 256, "all",
                      "operations each group remembers for the doctor (0: off)", minimum=0)
 FLIGHT_DIR = _s("FLIGHT_DIR", "path", None, "all", "where flight records are written",

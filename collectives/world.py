@@ -10,9 +10,10 @@ itself from the registry (:mod:`collectives.registry`), whose factory returns a
 from __future__ import annotations
 
 import datetime
+import time
 from typing import Optional, Union
 
-from . import settings
+from . import logs, settings
 from .backend import Backend
 from .group import ProcessGroup
 from .launch import default_backend, detect_rendezvous
@@ -24,6 +25,8 @@ __all__ = ["DEFAULT_TIMEOUT", "init_process_group"]
 #: Seconds a blocking wait lasts before ``CollectiveTimeout``, unless told otherwise
 #: (``init_process_group(timeout=...)`` or the ``COLLECTIVES_TIMEOUT`` variable).
 DEFAULT_TIMEOUT: float = settings.TIMEOUT.default
+
+_log = logs.get_logger("rendezvous")
 
 
 def init_process_group(backend: Optional[str] = None, *, rank: Optional[int] = None,
@@ -41,8 +44,10 @@ def init_process_group(backend: Optional[str] = None, *, rank: Optional[int] = N
             pg.close()
     """
     settings.check_environment()
+    logs.configure()   # (again: the variable may have been set since the import)
     seconds = timeout_seconds(timeout, settings.TIMEOUT.get(), where="init_process_group")
     rendezvous = detect_rendezvous(rank, world_size)
+    logs.note_rank(rendezvous.rank, rendezvous.world_size)
     if backend is None or backend == "":
         name = default_backend(rendezvous)
         what = (f"the backend in {settings.BACKEND.name}" if settings.BACKEND.is_set()
@@ -50,9 +55,20 @@ def init_process_group(backend: Optional[str] = None, *, rank: Optional[int] = N
     else:
         name, what = backend, "argument `backend`"
     factory = get_backend(name, where="init_process_group", what=what)
-    made = factory(rendezvous, seconds)
+    _log.debug("rank %d of %d (launcher %s, job %s) meeting on %s, timeout %g s",
+               rendezvous.rank, rendezvous.world_size, rendezvous.launcher,
+               rendezvous.job_id, name, seconds)
+    start = time.monotonic()
+    try:
+        made = factory(rendezvous, seconds)
+    except Exception as exc:
+        _log.warning("init_process_group on %s failed after %.1f s: %s", name,
+                     time.monotonic() - start, exc)
+        raise
     if not isinstance(made, Backend):
         raise TypeError(f"init_process_group: the factory of backend {name!r} returned "
                         f"{type(made).__name__}, not a collectives.Backend (a backend "
                         f"subclasses collectives.Backend; see collectives/backend.py)")
+    _log.info("world of %d ranks ready on %s in %.3f s", rendezvous.world_size, name,
+              time.monotonic() - start)
     return ProcessGroup(made)

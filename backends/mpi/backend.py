@@ -106,6 +106,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from collectives import logs
 from collectives.algorithms.links import fold_tag
 from collectives.backend import Backend, Capabilities
 from collectives.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout
@@ -459,6 +460,9 @@ def _displacements(counts: Sequence[int]) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- factory
+_log = logs.get_logger("backend.mpi")
+
+
 def create(rendezvous: Rendezvous, timeout: float) -> MpiBackend:
     """The world group over ``MPI.COMM_WORLD`` (registry name ``mpi``)."""
     mpi = load_mpi()
@@ -470,6 +474,8 @@ def create(rendezvous: Rendezvous, timeout: float) -> MpiBackend:
             f"launcher's environment says rank {rendezvous.rank} of {rendezvous.world_size}; "
             f"start the ranks of the mpi backend with mpiexec/mpirun (each rank started "
             f"another way is an MPI world of one)")
+    _log.debug("rank %d of %d: MPI initialised; waiting for every rank in "
+               "MPI_Comm_idup(COMM_WORLD)", rendezvous.rank, rendezvous.world_size)
     dup = world.Idup()
     if not _poll(dup[1].Test, timeout):
         raise CollectiveTimeout(f"{where}: not every rank arrived within {timeout:g} s",

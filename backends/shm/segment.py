@@ -33,7 +33,7 @@ from typing import Optional
 
 import numpy as np
 
-from collectives import settings
+from collectives import logs, settings
 from collectives.errors import CollectiveError, CollectiveTimeout, PeerError
 from collectives.lifetime import process_alive
 from collectives.shm_names import SHM_DIR
@@ -54,6 +54,8 @@ W_PIDNS = 7        # inode of /proc/self/ns/pid (0 if unknown)
 BELL_BYTE = 64     # uint32 doorbell (futex word), second cache line
 W_SLEEPERS = 9     # threads of this rank asleep on its doorbell
 W_PUSHING = 10     # 1 + the rank this rank is writing into (Phases.push_into), else 0
+
+_log = logs.get_logger("backend.shm")
 
 #: ``0`` turns off the pid liveness checks (e.g. peers in another PID namespace).
 PID_CHECK_ENV = settings.SHM_PID_CHECK.name
@@ -236,6 +238,8 @@ def _create_and_publish(name: str, layout: Layout, deadline: float, where: str) 
             owner = _existing_owner(path)
             if owner is None or not process_alive(owner):
                 # A stale segment of a crashed job with the same id: replace it.
+                _log.warning("replacing the stale shared-memory segment %s (creator pid "
+                             "%s is gone)", path, owner)
                 try:
                     os.unlink(path)
                 except FileNotFoundError:
@@ -314,12 +318,16 @@ def open_group_segment(name: str, rank: int, size: int, layout: Layout, timeout:
     deadline = time.monotonic() + timeout
     if rank == 0:
         seg = _create_and_publish(name, layout, deadline, where)
+        _log.debug("rank 0 of %d: created the segment %s (%d bytes)", size, _shm_path(name),
+                   layout.total)
     else:
         seg = None
         delay = 0.0005
+        created = logs.Awaiting(_log, f"rank 0 to create the segment {_shm_path(name)}")
         while seg is None:
             seg = _try_attach(name, size, where)
             if seg is None:
+                created.still([0])
                 if time.monotonic() > deadline:
                     raise CollectiveTimeout(
                         f"{where}: timed out after {timeout:g} s waiting for rank 0 to "
@@ -327,6 +335,7 @@ def open_group_segment(name: str, rank: int, size: int, layout: Layout, timeout:
                         op="init", missing=[0])
                 time.sleep(delay)
                 delay = min(delay * 1.5, 0.02)
+        created.done()
     try:
         _attach_and_wait(seg, rank, size, deadline, timeout, where)
     except BaseException:
@@ -351,11 +360,14 @@ def _attach_and_wait(seg: Segment, rank: int, size: int, deadline: float, timeou
     u64[lay.ctrl_word(rank, W_PIDNS)] = pid_namespace()
     u64[lay.ctrl_word(rank, W_STATE)] = STATE_ATTACHED
     delay = 0.0002
+    attached = logs.Awaiting(_log, f"the {size} ranks to attach to {_shm_path(seg.name or '')}"
+                             f" (this is rank {rank})")
     while True:
         missing = [r for r in range(size)
                    if u64[lay.ctrl_word(r, W_STATE)] == STATE_DETACHED]
         if not missing:
             break
+        attached.still(missing)
         for r in range(size):
             if r != rank and u64[lay.ctrl_word(r, W_STATE)] != STATE_DETACHED \
                     and same_pid_namespace(u64[lay.ctrl_word(r, W_PIDNS)]):
@@ -370,6 +382,7 @@ def _attach_and_wait(seg: Segment, rank: int, size: int, deadline: float, timeou
                 op="init", missing=missing)
         time.sleep(delay)
         delay = min(delay * 1.5, 0.01)
+    attached.done()
     # Everybody mapped it: the name is no longer needed.
     if seg.name is not None:
         _unlink_if_ours(_shm_path(seg.name), seg.inode)

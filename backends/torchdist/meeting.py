@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from collectives import logs
 from collectives.errors import CollectiveTimeout, PeerError
 from collectives.errors import where as _where
 from collectives.launch import Rendezvous
@@ -30,6 +31,7 @@ from collectives.launch import Rendezvous
 _STORES: dict[tuple, "Meeting"] = {}
 _WORLD_COUNTS: dict[tuple, int] = {}
 _STORES_LOCK = threading.RLock()
+_log = logs.get_logger("backend.torch")
 
 #: Keys of the open/close handshake of rank 0's server (see `Meeting`), per world index.
 _OPEN_KEY = "collectives/meeting/open/"
@@ -158,6 +160,7 @@ def _open_store(key: tuple, rendezvous: Rendezvous, timeout: float, world: int) 
             timeout=datetime.timedelta(seconds=seconds), wait_for_workers=False,
             multi_tenant=serve), what, seconds)
 
+    _log.debug("%s: opening world %d", what, world)
     if agent:  # the agent's server lives as long as the job: no handshake
         return Meeting(key, connect(timeout), serving=False, handshake=False)
     if serve:
@@ -165,6 +168,7 @@ def _open_store(key: tuple, rendezvous: Rendezvous, timeout: float, world: int) 
         construct(lambda: store.set(f"{_OPEN_KEY}{world}", "1"), what, timeout)
         return Meeting(key, store, serving=True, handshake=True)
     deadline = time.monotonic() + timeout
+    opening = logs.Awaiting(_log, f"rank 0 to open world {world} on the store at {addr}:{port}")
     while True:
         remaining = max(0.001, deadline - time.monotonic())
         store = connect(remaining)
@@ -173,6 +177,7 @@ def _open_store(key: tuple, rendezvous: Rendezvous, timeout: float, world: int) 
             # server breaks makes torch print a warning with a C++ stack.
             opened = f"{_OPEN_KEY}{world}"
             while not store.check([opened]):
+                opening.still([0])
                 if world > 0 and store.check([f"{_CLOSED_KEY}{world - 1}"]):
                     # The server of the last world, which rank 0 lets go once every
                     # rank reported: come back for the next one.
@@ -181,9 +186,11 @@ def _open_store(key: tuple, rendezvous: Rendezvous, timeout: float, world: int) 
                     raise RuntimeError(f"no {opened} on the server")
                 time.sleep(0.002)
             store.set_timeout(datetime.timedelta(seconds=timeout))
+            opening.done()
             return Meeting(key, store, serving=False, handshake=True)
         except RuntimeError as exc:
             del store  # rank 0's server of the previous world stopped under us
+            _log.debug("%s: %s; connecting again", what, first_line(exc))
             if time.monotonic() >= deadline:
                 raise CollectiveTimeout(f"{what}: rank 0 did not open world {world} at this "
                                         f"port within {timeout:g} s ({first_line(exc)})",

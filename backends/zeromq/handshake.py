@@ -37,7 +37,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import zmq
 
-from collectives import settings
+from collectives import logs, settings
 from collectives.errors import CollectiveError, CollectiveTimeout, PeerError
 
 from . import auth, wire
@@ -47,6 +47,8 @@ from .liveness import Liveness
 from .handshake_server import HELLO, MODE_CODES, HandshakeServer
 from .sockets import RCVMORE
 from .wire import Kind
+
+_log = logs.get_logger("backend.zmq")
 
 #: The rendezvous may take at least this long (COLLECTIVES_ZMQ_INIT_TIMEOUT overrides).
 MIN_INIT_TIMEOUT = 60.0
@@ -143,6 +145,9 @@ class Handshake:
 
     def _loop(self, deadline: float, init_timeout: float, drain: Callable[[], Any]) -> None:
         conns = self._conns
+        waiting = logs.Awaiting(_log, f"the rendezvous of {self.size} ranks at "
+                                      f"{self._master.endpoint()} (this is rank {self.rank}, "
+                                      f"auth mode {self.mode})")
         while True:
             socks = [conns.router, conns.monitor]
             if self._rdv_in is not None:
@@ -168,7 +173,10 @@ class Handshake:
             ready_out = sum(o.state == "proved" for o in self._outbound.values())
             ready_in = len(conns.inbound.rank_rid)
             if self.table and ready_out == self.size - 1 and ready_in == self.size - 1:
+                waiting.done()
                 return
+            if waiting.due(now):   # (who is awaited costs a scan: only when it is told)
+                waiting.still(self._awaited()[1])
             down = self._liveness.down
             if down:
                 p, why = next(iter(down.items()))
@@ -177,6 +185,12 @@ class Handshake:
                 raise self._timed_out(init_timeout)
 
     def _timed_out(self, init_timeout: float) -> CollectiveTimeout:
+        missing, what = self._awaited()
+        return CollectiveTimeout(f"{self._where}: {what} within {init_timeout:g} s "
+                                 f"(auth mode {self.mode})", op="init", missing=missing)
+
+    def _awaited(self) -> tuple[list[int], str]:
+        """The ranks this rank still waits for, and what for."""
         master = self._master
         if not self.table:
             if self.rank == 0:
@@ -191,8 +205,7 @@ class Handshake:
                 r not in rank_rid or
                 self._outbound.get(r) is None or self._outbound[r].state != "proved")})
             what = f"no authenticated connection with ranks {missing}"
-        return CollectiveTimeout(f"{self._where}: {what} within {init_timeout:g} s "
-                                 f"(auth mode {self.mode})", op="init", missing=missing)
+        return missing, what
 
     # ---------------------------------------------------------------- client side
     def _send_hello(self, out: _Outbound) -> None:
@@ -219,6 +232,8 @@ class Handshake:
             if h.kind == Kind.REFUSED:
                 text = frames[1].decode("utf-8", "replace")[:500] if len(frames) > 1 else ""
                 if self.mode == "file" and out.purpose == auth.PURPOSE_RENDEZVOUS:
+                    _log.debug("the rendezvous at %s refused this rank (%s): retrying",
+                               out.endpoint, text)
                     out.state, out.retry_at = "retry", time.monotonic() + 0.1
                     continue
                 raise auth.AuthenticationError(
@@ -245,6 +260,8 @@ class Handshake:
         if not trust_on_first_use and not auth.verify(key, b"server", t, mac_s):
             if self.mode == "file" and out.purpose == auth.PURPOSE_RENDEZVOUS:
                 out.state, out.retry_at = "retry", time.monotonic() + 0.1  # stale key file
+                _log.debug("the rendezvous at %s did not prove the key file's key (a stale "
+                           "file?): retrying", out.endpoint)
                 return
             who = "the rank 0 rendezvous" if out.purpose == auth.PURPOSE_RENDEZVOUS \
                 else f"rank {out.server}"
@@ -270,6 +287,8 @@ class Handshake:
         if len(entries) != self.size or [e["rank"] for e in entries] != list(range(self.size)):
             raise CollectiveError(f"{self._where}: malformed rendezvous table")
         self.table = entries
+        _log.debug("rank %d: the rendezvous table arrived; connecting to %d peers", self.rank,
+                   self.size - 1)
         self._open_dealers()
 
     def _open_dealers(self) -> None:

@@ -65,10 +65,10 @@ def _positive(text: str) -> int:
     return value
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(prog: str = "python -m collectives.bench") -> argparse.ArgumentParser:
     from .peers import PEERS
     p = argparse.ArgumentParser(
-        prog="python -m collectives.bench",
+        prog=prog,
         description="nccl-tests style benchmarks of a backend's collectives, with the raw "
                     "peer libraries side by side (time: median over iterations of the "
                     "slowest rank; #wrong: wrong elements of the checked result).",
@@ -200,9 +200,11 @@ def _run(args: argparse.Namespace, peers: list[str]) -> tuple[list[dict], list[s
     return rows, notes
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """The command line; returns the exit status (see the module docstring)."""
-    args = _parser().parse_args(argv)
+def main(argv: Optional[Sequence[str]] = None, *,
+         prog: str = "python -m collectives.bench") -> int:
+    """The command line; returns the exit status (see the module docstring). ``prog``
+    names the command in help and errors (``collectives bench`` from :mod:`collectives.cli`)."""
+    args = _parser(prog).parse_args(argv)
     if args.worker:
         from .job import worker
         return worker(args.worker)
@@ -225,10 +227,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               flush=True)
         rows, skipped = _run(args, peers)
     except (_Usage, LauncherMissing) as exc:
-        print(f"python -m collectives.bench: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     except SpawnError as exc:
-        print(f"python -m collectives.bench: a rank failed ({args.backend} and peers "
+        print(f"{prog}: a rank failed ({args.backend} and peers "
               f"{peers or 'none'}, {args.nproc} ranks): {exc}", file=sys.stderr)
         return 1
 

@@ -26,6 +26,7 @@ from . import reference
 from .execution import CaseResult, array_diff, compare, run_case
 from .algorithm_check import check_algorithm
 from .backend_check import check_backend
+from .check_report import CheckReport
 from .functions import FunctionRef
 from .launchers import resolve_launcher
 from .pool import (LaunchedWorld, LauncherUnavailable, PoolError, RemoteError, RemoteErrors,
@@ -34,7 +35,7 @@ from .strategies import (OPS, CollectiveCase, collective_cases, expected_outputs
                          make_input, output_shape)
 
 __all__ = [
-    "OPS", "CaseResult", "CollectiveCase", "FunctionRef", "LaunchedWorld", "LauncherUnavailable",
+    "OPS", "CaseResult", "CheckReport", "CollectiveCase", "FunctionRef", "LaunchedWorld", "LauncherUnavailable",
     "PoolError", "RemoteError", "RemoteErrors", "WorldPool", "array_diff", "check_algorithm", "check_backend",
     "collective_cases", "compare", "expected_outputs", "input_shape", "launcher_for",
     "make_input", "output_shape", "reference", "resolve_launcher", "run_case", "serve",

@@ -34,8 +34,10 @@ import numpy as np
 from .. import settings
 from ..algorithms import Links
 from ..registry import available_backends
+from .check_report import CheckReport, Progress
 from .execution import SENTINEL, CaseResult
 from .functions import FunctionRef
+from .hypothesis_storage import Database, example_database, storage_outside_cwd
 from .launchers import Launcher, resolve_launcher
 from .pool import WorldPool
 from .strategies import (DTYPES, OPS, CollectiveCase, collective_cases, make_input,
@@ -124,14 +126,20 @@ def check_algorithm(fn: Callable[..., Any], op: str, *, backends: Optional[Seque
                     world_sizes: Sequence[int] = (1, 2, 3, 4), max_examples: int = 50,
                     dtypes: Sequence[str] = DTYPES, timeout: float = 20.0,
                     launcher: "Launcher | str | None" = None,
-                    initializer: Optional[Task] = None, derandomize: bool = True) -> None:
+                    initializer: Optional[Task] = None, derandomize: bool = True,
+                    database: Database = None) -> CheckReport:
     """Check ``fn``, an implementation of collective ``op`` (one of
     :data:`~collectives.testing.OPS`) over send/recv, on each of ``backends`` (default:
     :func:`default_backends`, every available one, ``mpi`` under ``mpiexec``) and world
     size: ``max_examples`` hypothesis-drawn cases each (shapes incl. empty, 0-d and odd,
     up to past 4 MiB; every dtype of ``dtypes``, reduction and root). Raises
     ``AssertionError`` on the first failing case, shrunk to a minimal one, naming the
-    backend, the world size, the case and what each rank got; returns None when all pass.
+    backend, the world size, the case and what each rank got; returns a
+    :class:`~collectives.testing.check_report.CheckReport` of what passed when all do (one
+    line as text), after logging each world at info on the ``collectives.testing``
+    logger (``COLLECTIVES_LOG_LEVEL=info`` shows the progress). ``database``: as
+    :func:`~collectives.testing.check_backend`'s (default: no hypothesis database, and
+    nothing written in the current folder).
 
     ``fn`` has the signature of the library's algorithm for ``op`` (module docstring),
     e.g. ``fn(links, array, op)`` for all_reduce, and must be defined at the top level
@@ -157,19 +165,26 @@ def check_algorithm(fn: Callable[..., Any], op: str, *, backends: Optional[Seque
         raise ValueError("check_algorithm: no backend to check on (argument `backends`, "
                          f"or {BACKENDS_VARIABLE}, is empty)")
     launchers = {b: resolve_launcher(launcher, b, where="check_algorithm") for b in names}
+    examples = example_database(database, "check_algorithm")
+    progress = Progress(f"{ref.qualname} as {op}",
+                        f"up to {max_examples} cases on {', '.join(names)} at world sizes "
+                        f"{', '.join(map(str, world_sizes))}")
     for backend in names:
         for n in world_sizes:
             cases = collective_cases(n, [op], dtypes, kinds=("numpy",),
                                      layouts=("contiguous",), async_op=False)
-            with WorldPool(backend, n, timeout=timeout, launcher=launchers[backend],
-                           initializer=initializer) as pool:
+            with progress.world(backend, n) as world, storage_outside_cwd(), \
+                    WorldPool(backend, n, timeout=timeout, launcher=launchers[backend],
+                              initializer=initializer) as pool:
                 @settings(max_examples=max_examples, deadline=None, derandomize=derandomize,
-                          database=None, suppress_health_check=list(HealthCheck))
+                          database=examples, suppress_health_check=list(HealthCheck))
                 @given(cases)
                 def algorithm_matches_reference(case: CollectiveCase) -> None:
+                    world.case()
                     _check_case(pool, ref, case)
 
                 algorithm_matches_reference()
+    return progress.report()
 
 
 def _check_case(pool: WorldPool, ref: FunctionRef, case: CollectiveCase) -> None:

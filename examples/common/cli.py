@@ -7,11 +7,12 @@ The contract every example keeps (the README's Quick start runs ``examples/ddp.p
     python examples/NAME.py [--backend B] [--nproc N] [--epochs E] [--batch-size B]
                             [--data-dir D] [--seed S] [--lr LR] [--trace FILE]
 
-Rank 0 shows a tqdm bar on standard error and prints, as the last line of standard
-output, one JSON object: ``{"example", "backend", "world_size", "epochs", "wall_s",
-"total_s", "samples_per_s", "final_loss", "final_acc"}``: ``wall_s`` is the training
-loop's time, ``total_s`` the time since the command started (its process's start, read
-from the kernel: interpreter start-up, imports, spawning the ranks, loading data and
+Rank 0 shows a tqdm bar on standard error (when it is a terminal and tqdm is installed)
+and prints, as the last line of standard output, one JSON object: ``{"example",
+"backend", "world_size", "epochs", "wall_s", "total_s", "samples_per_s", "final_loss",
+"final_acc"}``: ``wall_s`` is the training loop's time, ``total_s`` the time since the
+command started (its process's start, read from the kernel: interpreter start-up,
+imports, spawning the ranks, loading data and
 evaluation included). The other ranks print nothing.
 """
 

@@ -32,14 +32,22 @@ def build_mlp(seed: int) -> nn.Module:
 
 
 def progress(iterable: Iterable, rank: int, **kwargs: Any) -> Iterable:
-    """A tqdm bar on standard error on rank 0; the bare iterable elsewhere."""
+    """A tqdm bar on standard error on rank 0 when standard error is a terminal; the bare
+    iterable elsewhere, and where tqdm is not installed (it is the ``examples`` extra:
+    ``pip install 'collectives[examples]'``)."""
     if rank != 0:
         return iterable
-    from tqdm import tqdm
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return iterable
     # One bar in one process: a thread lock will do. tqdm's default also creates a
     # multiprocessing semaphore, which a rank stopped while exiting leaves behind.
     tqdm.set_lock(threading.RLock())
-    return tqdm(iterable, file=sys.stderr, dynamic_ncols=True, leave=False, **kwargs)
+    # disable=None: no bar when stderr is a file or a pipe, whose log would otherwise
+    # fill with the bar's carriage-return frames.
+    return tqdm(iterable, file=sys.stderr, dynamic_ncols=True, leave=False, disable=None,
+                **kwargs)
 
 
 def sharded_accuracy(model: Any, pg: Any, x_test: Any, y_test: Any) -> float:
