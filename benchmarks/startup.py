@@ -9,9 +9,10 @@ interleaved run by run, so that load hits them alike) of:
 - a job whose ranks call ``collectives.init_process_group()`` and ``close()`` and nothing
   else, started by ``collectives.spawn`` with each start method (``forkserver``, the
   default, and ``spawn``: ``COLLECTIVES_START_METHOD``), by ``mpiexec -n N`` and by
-  ``torchrun --nproc-per-node N``; each once as a bare program and once as a program that
-  imports torch (as every training script does; under collectives.spawn it first asks
-  the fork server to import torch too, as the examples do: ``warm_start.prewarm``);
+  ``torchrun --nproc-per-node N``; each once as a bare program and once as a training
+  program would run: it imports torch and its ranks use it (under collectives.spawn it
+  first asks the fork server to import torch too, as the examples do:
+  ``warm_start.prewarm``);
 - ``python examples/ddp.py`` (two ranks, the README's quick start): its end-to-end time
   beside the ``wall_s`` (training) and ``total_s`` its summary reports;
 - ``python -c "import numpy"`` and ``python -c "import collectives"``: what the library
@@ -38,8 +39,11 @@ ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("forkserver", "spawn", "mpiexec", "torchrun")
 
 
-def _join_and_leave() -> None:
+def _join_and_leave(with_torch: bool = False) -> None:
     import collectives
+    if with_torch:   # a training program's rank uses torch
+        import torch
+        torch.zeros(1)
     pg = collectives.init_process_group()
     pg.close()
 
@@ -172,12 +176,10 @@ def main(argv: list[str] | None = None) -> int:
             except ImportError:   # a checkout from before the fork server
                 pass
             import torch  # noqa: F401 - the program imports torch, as training scripts do
-        collectives.spawn(_join_and_leave, a.job_spawn)
+        collectives.spawn(_join_and_leave, a.job_spawn, args=(a.torch,))
         return 0
-    if a.torch:
-        import torch  # noqa: F401,F811
     if a.job_rank:
-        _join_and_leave()
+        _join_and_leave(a.torch)
         return 0
     try:
         nprocs = [int(x) for x in a.nproc.split(",")]
