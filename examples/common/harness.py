@@ -1,4 +1,4 @@
-"""What the examples (ddp, fsdp, tp, pp, mesh, moe) share: the command line, the model, the
+"""What the examples (ddp, fsdp, tp, pp, mesh, cp, moe) share: the command line, the model, the
 launch, the progress bar and the closing JSON line.
 
 The contract every example keeps (the README's Quick start runs ``examples/ddp.py``)::
@@ -26,7 +26,8 @@ from torch import nn
 
 import collectives
 
-__all__ = ["SUMMARY_KEYS", "build_mlp", "launch", "parse_args", "print_summary", "progress"]
+__all__ = ["SUMMARY_KEYS", "build_mlp", "launch", "parse_args", "print_summary", "progress",
+           "traced_step"]
 
 BACKENDS = ("shm", "zmq", "mpi", "gloo", "nccl")
 
@@ -69,6 +70,20 @@ def parse_args(example: str, argv: Optional[Sequence[str]] = None, *, epochs: in
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     args.example = example
     return args
+
+
+def traced_step(model: nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor,
+                tracer: Any) -> torch.Tensor:
+    """One optimizer step on the cross-entropy of ``model(x)`` against ``y``, its forward,
+    backward and step each a span of ``tracer`` (examples/common/trace.py); the loss."""
+    with tracer.span("forward"):
+        loss = nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad()
+    with tracer.span("backward"):
+        loss.backward()
+    with tracer.span("step"):
+        opt.step()
+    return loss
 
 
 def build_mlp(seed: int) -> nn.Module:
