@@ -1,6 +1,7 @@
 """Context-parallel training of a small transformer that reads each MNIST image as a
-long sequence: 196 tokens of 2x2 pixels, plus 4 learned summary tokens (200 tokens, so
-the zigzag layout's 2C chunks divide it for C = 1, 2, 4, 5), split over the ranks.
+long sequence: 196 tokens, one per 2x2 patch (embedded from the 4x4 pixels around it),
+plus 4 learned summary tokens (200 tokens, so the zigzag layout's 2C chunks divide it for
+C = 1, 2, 4, 5), split over the ranks.
 
     python examples/cp.py --nproc 2                               # ring attention, shm
     python examples/cp.py --nproc 4 --layout zigzag --causal      # balanced causal work
@@ -54,20 +55,22 @@ TOKENS = PATCHES + SUMMARY
 
 
 class PatchEmbedding(nn.Module):
-    """(b, 784) images -> (b, 200, hidden): each 2x2 patch embedded, the summary tokens
-    appended, a learned position added."""
+    """(b, 784) images -> (b, 200, hidden): a token per 2x2 patch, embedded from the 4x4
+    pixels around it (a convolution of stride 2), the summary tokens appended, a learned
+    position added."""
 
     def __init__(self, hidden: int) -> None:
         super().__init__()
-        self.embed = nn.Linear(PATCH * PATCH, hidden)
+        self.embed = nn.Conv2d(1, hidden, kernel_size=2 * PATCH, stride=PATCH,
+                               padding=PATCH // 2)
         self.summary = nn.Parameter(0.02 * torch.randn(SUMMARY, hidden))
         self.pos = nn.Parameter(0.02 * torch.randn(TOKENS, hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = x.shape[0]
-        patches = (x.reshape(b, 28 // PATCH, PATCH, 28 // PATCH, PATCH)
-                   .permute(0, 1, 3, 2, 4).reshape(b, PATCHES, PATCH * PATCH))
-        tokens = torch.cat([self.embed(patches), self.summary.expand(b, -1, -1)], dim=1)
+        patches = self.embed(x.reshape(b, 1, 28, 28))             # (b, hidden, 14, 14)
+        tokens = patches.flatten(2).transpose(1, 2)                # (b, 196, hidden)
+        tokens = torch.cat([tokens, self.summary.expand(b, -1, -1)], dim=1)
         return tokens + self.pos
 
 
@@ -115,13 +118,17 @@ def record_timelines(model: ContextParallelModel, tracer: Tracer, step: int) -> 
 
 
 def train(model: DDP, cp_model: ContextParallelModel, args, rank: int,
-          tracer: Tracer) -> list:
-    """AdamW over ``args.epochs`` epochs, the same batches on every rank; each epoch's
-    mean loss."""
+          tracer: Tracer) -> tuple:
+    """AdamW over ``args.epochs`` epochs (or ``args.max_steps`` steps), the learning rate
+    decaying linearly to 0 (a transformer this small otherwise ends on a noisy epoch), the
+    same batches on every rank; each epoch's mean loss and the samples trained on."""
     x_train, y_train = map(torch.from_numpy, load_mnist(args.data_dir, "train"))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    total = args.epochs * -(-len(x_train) // args.batch_size)
+    total = min(total, args.max_steps) if args.max_steps else total
+    decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 - step / total)
     sampler = ShardSampler(len(x_train), 0, 1, seed=args.seed)   # one shard: all of it
-    losses, step = [], 0
+    losses, step, samples = [], 0, 0
     for epoch in range(args.epochs):
         if step == args.max_steps and step:
             break
@@ -131,6 +138,7 @@ def train(model: DDP, cp_model: ContextParallelModel, args, rank: int,
         seen = 0
         for idx in progress(batches, rank, desc=f"epoch {epoch + 1}/{args.epochs}"):
             loss = traced_step(model, opt, x_train[idx], y_train[idx], tracer)
+            decay.step()
             record_timelines(cp_model, tracer, step)
             loss_sum += loss.item() * len(idx)
             seen += len(idx)
@@ -138,10 +146,11 @@ def train(model: DDP, cp_model: ContextParallelModel, args, rank: int,
             if step == args.max_steps:
                 break
         losses.append(loss_sum / seen)
+        samples += seen
         if rank == 0:
             print(f"epoch {epoch + 1}/{args.epochs} loss {losses[-1]:.6f}", file=sys.stderr,
                   flush=True)
-    return losses
+    return losses, samples
 
 
 @torch.no_grad()
@@ -165,9 +174,9 @@ def main(args):
     model = DDP(cp_model, tracer.wrap(pg, "dp"))
 
     started = time.perf_counter()
-    losses = train(model, cp_model, args, pg.rank, tracer)
+    losses, samples = train(model, cp_model, args, pg.rank, tracer)
     summary = {"wall_s": time.perf_counter() - started, "final_loss": losses[-1],
-               "samples": args.epochs * len(load_mnist(args.data_dir, "train")[1])}
+               "samples": samples}
     print_summary(pg.rank, example="cp", backend=pg.backend, world_size=pg.size,
                   epochs=args.epochs, final_acc=accuracy(model, args), **summary)
     tracer.write(pg, args.trace)
@@ -193,7 +202,7 @@ def add_cp_options(p) -> None:
 def cp_args(argv=None):
     """The example's options; a token count the layout's chunks do not divide ends the
     program with status 2 and a message."""
-    args = parse_args("cp", argv, epochs=4, batch_size=32, lr=2e-3, description=__doc__,
+    args = parse_args("cp", argv, epochs=10, batch_size=32, lr=2e-3, description=__doc__,
                       extra=add_cp_options)
     chunks = args.nproc * (2 if args.layout == "zigzag" else 1)
     if TOKENS % chunks:

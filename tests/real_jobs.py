@@ -26,12 +26,14 @@ import pytest
 import collectives
 
 
-def spawn_cases(shm_ranks: int = 4, other_ranks: int = 2) -> list:
+def spawn_cases(shm_ranks: int = 4, other_ranks: int = 2, *, others_slow: bool = False) -> list:
     """(backend, nproc): shm with ``shm_ranks``, every other spawnable transport with
-    ``other_ranks`` (mpi runs under mpiexec, nccl needs CUDA)."""
+    ``other_ranks`` (mpi runs under mpiexec, nccl needs CUDA); with ``others_slow``, those
+    others carry the ``slow`` mark (the default run keeps shm only)."""
     others = [b for b in collectives.available_backends()
               if b not in ("shm", "mpi", "nccl", "torch")]
-    return [("shm", shm_ranks)] + [(b, other_ranks) for b in others]
+    marks = [pytest.mark.slow] if others_slow else []
+    return [("shm", shm_ranks)] + [pytest.param(b, other_ranks, marks=marks) for b in others]
 
 
 def spawn_job(job: Callable[[], Any], backend: str, nproc: int, *,

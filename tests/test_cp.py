@@ -298,9 +298,10 @@ def _assert_job(results: list, where: str) -> None:
         _assert_exact([r[i] for r in results], f"{where} {case}")
 
 
-@pytest.mark.parametrize("backend, nproc", spawn_cases())
+@pytest.mark.parametrize("backend, nproc", spawn_cases(others_slow=True))
 def test_spawned(backend, nproc):
-    """The job's cases in real processes, one job per backend."""
+    """The job's cases in real processes, one job per backend (zmq and gloo under
+    ``-m slow``: each starts its ranks in seconds)."""
     _assert_job(spawn_job(_spawned_job, backend, nproc), backend)
 
 

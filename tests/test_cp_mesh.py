@@ -157,6 +157,25 @@ def test_mesh_refuses_rows_the_layout_cannot_cut(capsys):
     assert mesh_args(["--dp", "2", "--cp", "2", "--tp", "2"]).nproc == 8
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["spawn", "mpiexec"])
+def test_mesh_example_with_cp_in_real_processes(launcher):
+    """``examples/mesh.py --dp 2 --cp 2 --tp 2`` for 10 steps on 8 processes (shm, and
+    under mpiexec): the summary line, and measured == predicted bytes on every rank."""
+    if launcher == "mpiexec" and (MPIEXEC is None or importlib.util.find_spec("mpi4py") is None):
+        pytest.skip("needs mpiexec and mpi4py")
+    prefix = [MPIEXEC, "-n", "8"] if launcher == "mpiexec" else []
+    proc = subprocess.run([*prefix, sys.executable, "examples/mesh.py", "--dp", "2", "--cp",
+                           "2", "--tp", "2", "--epochs", "1", "--max-steps", "10"], cwd=ROOT,
+                          env=job_env(), stdin=subprocess.DEVNULL, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert json.loads(lines[-1])["world_size"] == 8
+    account = json.loads(next(l for l in lines if l.startswith("account "))[len("account "):])
+    assert account["every_rank_agrees"] is True and account["measured"]["cp"]["bytes"] > 0
+
+
 # ------------------------------------------------------------------ examples/cp.py
 def _example(argv: list, timeout: float, launcher: tuple = ()) -> dict:
     proc = subprocess.run([*launcher, sys.executable, "examples/cp.py", *argv], cwd=ROOT,
