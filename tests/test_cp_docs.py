@@ -25,6 +25,7 @@ def _blocks(lang: str) -> list:
     return [b.text for b in readme_blocks(PAGE.read_text()) if b.lang == lang]
 
 
+@pytest.mark.slow
 def test_python_block_prints_what_it_states(tmp_path):
     """The page's one script, run as written on two spawned ranks, prints the list its
     last line's comment shows."""
