@@ -33,6 +33,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", default="shm", help="backend of the 2-rank run")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=800, help="timed steps of the 2-rank run")
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--block", type=int, default=20, help="steps per turn (world of one)")
+    p.add_argument("--blocks", type=int, default=60, help="turns per model (world of one)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per 2-rank run")
+    return p
+
+
+if __name__ == "__main__":   # parse first: a bad flag is refused before torch loads
+    ARGS = _parser().parse_args()
+
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
@@ -106,16 +122,7 @@ def two_ranks(backend: str, steps: int, warmup: int, timeout: float) -> dict:
             "skew_median_us": float(np.median(skew)), "skew_mean_us": float(skew.mean())}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--backend", default="shm", help="backend of the 2-rank run")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=800, help="timed steps of the 2-rank run")
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--block", type=int, default=20, help="steps per turn (world of one)")
-    p.add_argument("--blocks", type=int, default=60, help="turns per model (world of one)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per 2-rank run")
-    a = p.parse_args()
+def main(a: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     print(f"# examples/ddp.py's MNIST MLP, batch {BATCH}/rank, 1 thread/rank; load average "
@@ -140,4 +147,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(ARGS))

@@ -49,19 +49,38 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
 import collectives  # noqa: E402
 from benchmarks.mpi_jobs import (add_run_options, parse_run_options,  # noqa: E402
                                  report_from_rank_0, run_rounds, run_under_mpiexec,
                                  unavailable)
-from examples.common.harness import build_mlp  # noqa: E402
-from examples.common.mnist import load_mnist  # noqa: E402
 
 #: examples/ddp.py's defaults.
 BATCH, LR, SEED = 32, 0.05, 0
 _ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--world", default="2", help="world sizes, comma separated")
+    p.add_argument("--backends", default="shm,zmq,gloo,mpi",
+                   help="backends for parallel.DDP, comma separated")
+    p.add_argument("--no-plain", action="store_true", help="leave out the one-process row")
+    p.add_argument("--no-independent", action="store_true",
+                   help="leave out the row of N processes that never communicate")
+    add_run_options(p, batch=BATCH, steps=300,
+                    bucket_help="gradient bucket size of both DDPs (the MLP's gradients are "
+                                "0.83 MiB: below that, several buckets and overlap)")
+    return p
+
+
+if __name__ == "__main__":   # parse first: a bad flag is refused before torch loads
+    ARGS = parse_run_options(_parser())
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from examples.common.harness import build_mlp  # noqa: E402
+from examples.common.mnist import load_mnist  # noqa: E402
 
 
 class Stepper:
@@ -164,18 +183,7 @@ def _mpi_rank(work_json: str) -> int:
     return 0
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--world", default="2", help="world sizes, comma separated")
-    p.add_argument("--backends", default="shm,zmq,gloo,mpi",
-                   help="backends for parallel.DDP, comma separated")
-    p.add_argument("--no-plain", action="store_true", help="leave out the one-process row")
-    p.add_argument("--no-independent", action="store_true",
-                   help="leave out the row of N processes that never communicate")
-    add_run_options(p, batch=BATCH, steps=300,
-                    bucket_help="gradient bucket size of both DDPs (the MLP's gradients are "
-                                "0.83 MiB: below that, several buckets and overlap)")
-    a = parse_run_options(p)
+def main(a: argparse.Namespace) -> int:
     if a.mpi_rank:
         return _mpi_rank(a.mpi_rank)
 
@@ -260,4 +268,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(ARGS))

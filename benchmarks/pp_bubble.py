@@ -28,6 +28,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--unit-ms", type=float, default=15.0)
+    return p
+
+
+if __name__ == "__main__":   # parse first: a bad flag is refused before torch loads
+    ARGS = _parser().parse_args()
+
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -56,13 +69,7 @@ def rank(pg, name: str, M: int, unit_s: float):
     return sched.timeline, sched.schedule, S
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--unit-ms", type=float, default=15.0)
-    args = p.parse_args()
+def main(args: argparse.Namespace) -> None:
     P, M = args.ranks, args.microbatches
     print(f"P={P} M={M}, one unit = {args.unit_ms:g} ms")
     print(f"{'schedule':<12} {'bubble':>8} {'theory':>8} {'idle':>8} {'theory':>8} "
@@ -88,4 +95,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

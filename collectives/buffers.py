@@ -5,7 +5,8 @@ only C-contiguous numpy arrays over host memory: a zero-copy view when the argum
 already is one (a contiguous CPU tensor or array), otherwise a staged copy that is written
 back into the argument when the operation finishes (non-contiguous views, CUDA tensors,
 read-only arrays used as inputs). ``bfloat16`` travels as ``ml_dtypes.bfloat16`` so numpy
-can reduce it.
+can reduce it; ``collectives.dtypes`` says when ml_dtypes is imported (the first bfloat16
+argument, not before).
 """
 
 from __future__ import annotations
@@ -13,15 +14,13 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Optional
 
-import ml_dtypes
 import numpy as np
 
-#: The dtypes every backend must move; reductions are defined on all but bool.
-SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(np.dtype(d) for d in (
-    np.float16, ml_dtypes.bfloat16, np.float32, np.float64,
-    np.int8, np.uint8, np.int16, np.int32, np.int64, np.bool_))
+from . import dtypes
 
-_SUPPORTED_SET = frozenset(SUPPORTED_DTYPES)
+#: The supported dtypes known so far (bfloat16 joins when first met: collectives.dtypes).
+_SUPPORTED_SET: set = set(dtypes.NUMPY_DTYPES)
+dtypes.when_bfloat16(_SUPPORTED_SET.add)
 
 
 class HostBuffer:
@@ -56,15 +55,15 @@ def is_tensor_like(obj: Any) -> bool:
 
 
 def _check_dtype(dtype: np.dtype, where: str, arg: str) -> None:
-    if dtype not in _SUPPORTED_SET:
-        names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+    if dtype not in _SUPPORTED_SET and not dtypes.resolve(dtype):
+        names = ", ".join(dtypes.NAMES)
         raise TypeError(f"{where}: argument `{arg}` has unsupported dtype {dtype}; "
                         f"supported: {names}")
 
 
 def _torch_to_host(t: Any, where: str, arg: str, write: bool) -> HostBuffer:
     torch = _torch()
-    dtype = TORCH_TO_NUMPY.get(t.dtype)  # (complex dtypes are not in the table)
+    dtype = torch_numpy_dtype(torch, t.dtype)  # (complex dtypes are not in the table)
     if dtype is None:
         raise TypeError(f"{where}: argument `{arg}` has unsupported dtype {t.dtype}")
     if t.is_cpu and t.is_contiguous() and not t.is_neg():
@@ -72,14 +71,14 @@ def _torch_to_host(t: Any, where: str, arg: str, write: bool) -> HostBuffer:
         # here is cheap; `detach()` and `device.type` cost several times more, so they are
         # avoided.
         host = t.detach() if t.requires_grad else t
-        if dtype == _BFLOAT16:
-            return HostBuffer(host.view(torch.uint16).numpy().view(ml_dtypes.bfloat16))
+        if t.dtype is torch.bfloat16:
+            return HostBuffer(host.view(torch.uint16).numpy().view(dtype))
         return HostBuffer(host.numpy())
     src = t.detach()
     staged = src.device.type != "cpu" or not src.is_contiguous() or src.is_neg() or src.is_conj()
     host = src.to("cpu", copy=True).contiguous() if staged else src
     if host.dtype == torch.bfloat16:
-        array = host.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+        array = host.view(torch.uint16).numpy().view(dtype)
     else:
         array = host.numpy()
     if not staged:
@@ -128,25 +127,34 @@ def to_host(obj: Any, *, where: str, arg: str, write: bool) -> HostBuffer:
         return _numpy_to_host(obj, where, arg, write)
     torch = _torch()
     if torch is not None and isinstance(obj, torch.Tensor):
-        init_torch_table(torch)
         return _torch_to_host(obj, where, arg, write)
     raise TypeError(f"{where}: argument `{arg}` must be a torch.Tensor or numpy.ndarray, "
                     f"got {type(obj).__name__}")
 
 
+#: torch dtype -> the numpy dtype it travels as (bfloat16 once first met).
 TORCH_TO_NUMPY: dict = {}
-_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def init_torch_table(torch: Any) -> None:
     if not TORCH_TO_NUMPY:
         TORCH_TO_NUMPY.update({
-            torch.float16: np.dtype(np.float16), torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
+            torch.float16: np.dtype(np.float16),
             torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64),
             torch.int8: np.dtype(np.int8), torch.uint8: np.dtype(np.uint8),
             torch.int16: np.dtype(np.int16), torch.int32: np.dtype(np.int32),
             torch.int64: np.dtype(np.int64), torch.bool: np.dtype(np.bool_),
         })
+        dtypes.when_bfloat16(lambda dt: TORCH_TO_NUMPY.__setitem__(torch.bfloat16, dt))
+
+
+def torch_numpy_dtype(torch: Any, dtype: Any) -> Optional[np.dtype]:
+    """The numpy dtype a torch tensor of ``dtype`` travels as, or None (unsupported)."""
+    init_torch_table(torch)
+    found = TORCH_TO_NUMPY.get(dtype)
+    if found is None and dtype is torch.bfloat16:
+        found = dtypes.bfloat16()   # completes TORCH_TO_NUMPY
+    return found
 
 
 def numel(obj: Any) -> int:
@@ -158,6 +166,5 @@ def host_dtype(obj: Any) -> np.dtype:
     """The numpy dtype that ``obj`` travels as."""
     if isinstance(obj, np.ndarray):
         return obj.dtype
-    torch = _torch()
-    init_torch_table(torch)
-    return TORCH_TO_NUMPY.get(obj.dtype, np.dtype(object))
+    found = torch_numpy_dtype(_torch(), obj.dtype)
+    return found if found is not None else np.dtype(object)

@@ -2,7 +2,8 @@
 run for): a blocking collective on a contiguous CPU tensor or array, checked, numbered,
 recorded and handed to its backend in about a microsecond; the same for the two-array
 collectives (``all_gather``, ``gather``, ``scatter``, ``reduce_scatter``: ``fast_pair``
-and ``fast_rooted`` check both arrays), ``all_to_all`` in equal parts and ``reduce``; and
+and ``fast_rooted`` check both arrays), ``all_to_all`` (equal parts or split sizes) and
+``reduce``; and
 a blocking ``send``/``recv``, checked, recorded and handed to the backend's
 ``send_now``/``recv_now`` (:mod:`collectives.backend`).
 
@@ -42,7 +43,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .buffers import SUPPORTED_DTYPES, TORCH_TO_NUMPY, init_torch_table
+from . import dtypes
+from .buffers import torch_numpy_dtype
 from .reduce_op import ReduceOp
 from .running import check_open, failed, fast_failed, run_numbered
 from .validation import MAX_USER_TAG
@@ -62,10 +64,25 @@ _time = time.time
 #: hashing an int is cheaper than hashing a dtype or building a tuple, and an equal dtype
 #: that is not the canonical object (one with metadata) takes the general path. Members
 #: and canonical (native-endian) dtypes live as long as the interpreter.
-VALID_REDUCTIONS: dict[int, frozenset] = {
-    id(d): frozenset() if d == np.bool_ else frozenset(
+#: bfloat16 joins when first met (collectives.dtypes); until then its calls take the
+#: general path, which meets it.
+VALID_REDUCTIONS: dict[int, frozenset] = {}
+
+
+def _add_valid_reductions(d: np.dtype) -> None:
+    VALID_REDUCTIONS[id(d)] = frozenset() if d == np.bool_ else frozenset(
         id(op) for op in ReduceOp if not (op is ReduceOp.AVG and np.issubdtype(d, np.integer)))
-    for d in SUPPORTED_DTYPES}
+
+
+for _d in dtypes.NUMPY_DTYPES:
+    _add_valid_reductions(_d)
+dtypes.when_bfloat16(_add_valid_reductions)
+
+
+def _first_bfloat16(dtype: np.dtype) -> Optional[frozenset]:
+    """On a dtype VALID_REDUCTIONS lacks: its reductions if it is the first bfloat16 met
+    (which completes every table), else None."""
+    return VALID_REDUCTIONS.get(id(dtype)) if dtypes.resolve(dtype) else None
 
 
 class HostViews:
@@ -90,6 +107,8 @@ class HostViews:
         view; None when it needs the general path."""
         if type(obj) is np.ndarray:   # (fast_collective checks it alike)
             valid = VALID_REDUCTIONS.get(id(obj.dtype))
+            if valid is None:
+                valid = _first_bfloat16(obj.dtype)
             if valid is not None and obj.flags.carray:
                 return (obj if obj.ndim == 1 else obj.reshape(-1)), obj.shape, valid, obj.dtype
             return None
@@ -105,8 +124,7 @@ class HostViews:
         torch = sys.modules.get("torch")
         if torch is None or not isinstance(obj, torch.Tensor):
             return None
-        init_torch_table(torch)
-        dt = TORCH_TO_NUMPY.get(obj.dtype)
+        dt = torch_numpy_dtype(torch, obj.dtype)
         if (dt is None or id(dt) not in VALID_REDUCTIONS or not obj.is_cpu
                 or not obj.is_contiguous() or obj.is_neg() or obj.is_conj()):
             return None
@@ -142,6 +160,8 @@ def fast_collective(group: Any, op: str, method: Callable[..., Any], tensor: Any
     if type(tensor) is np.ndarray:   # the rule of HostViews.lookup's first branch
         dtype = tensor.dtype
         valid = VALID_REDUCTIONS.get(id(dtype))
+        if valid is None:
+            valid = _first_bfloat16(dtype)
         # carray: C-contiguous, aligned and writeable, in one flag
         if valid is None or not tensor.flags.carray:
             return False
@@ -219,28 +239,60 @@ def fast_rooted(group: Any, op: str, method: Callable[..., Any], small: Any, big
     return True
 
 
-def fast_even_all_to_all(group: Any, output: Any, input: Any) -> bool:
-    """A blocking all_to_all in equal parts (no split sizes): when both arrays take the
-    path, share a dtype and have rows along dim 0 in a multiple of the group size, the
-    backend's ``all_to_all(out, inp, out_counts, in_counts, seq)`` under
+def split_counts(shape: Any, size: int, splits: Any, n: int) -> Optional[list]:
+    """Element counts per peer of one all_to_all array of ``shape`` (``size`` elements):
+    equal parts where ``splits`` is None, else ``splits`` rows each; None where the
+    general path must decide (and raise): a list or tuple of ``n`` plain non-negative
+    ints summing to the rows along dim 0 is all this takes, and no empty array (whose
+    row size the shape alone says)."""
+    rows = shape[0]
+    if not rows:
+        return None
+    if splits is None:
+        return None if rows % n else [size // n] * n
+    if (splits.__class__ is not list and splits.__class__ is not tuple) or len(splits) != n:
+        return None
+    total = 0
+    for s in splits:
+        if s.__class__ is not int or s < 0:
+            return None
+        total += s
+    if total != rows:
+        return None
+    row = size // rows
+    return list(splits) if row == 1 else [s * row for s in splits]
+
+
+def fast_all_to_all(group: Any, output: Any, input: Any, output_splits: Any,
+                    input_splits: Any) -> bool:
+    """A blocking all_to_all, in equal parts (split sizes None) or in the rows of the
+    split sizes: when both arrays take the path, share a dtype and have at least one
+    dimension, and the split sizes are plain ints that fit them (:func:`split_counts`),
+    the backend's ``all_to_all(out, inp, out_counts, in_counts, seq)`` under
     ``run_numbered`` with the counts the general path computes, and True; False leaves
-    the call to the general path (and its errors)."""
+    the call to the general path (and its errors). Expert parallelism calls this with
+    new split sizes every step, so they are checked here, not cached."""
     views = group._host_views
     found_out = views.lookup(output)
     if found_out is None:
         return False
     found_in = views.lookup(input)
-    n = group.size
     if found_in is None or found_in[3] is not found_out[3]:
         return False
     out_shape, in_shape = found_out[1], found_in[1]
-    if not out_shape or not in_shape or out_shape[0] % n or in_shape[0] % n:
+    if not out_shape or not in_shape:
+        return False
+    n = group.size
+    out, inp = found_out[0], found_in[0]
+    out_counts = split_counts(out_shape, out.size, output_splits, n)
+    if out_counts is None:
+        return False
+    in_counts = split_counts(in_shape, inp.size, input_splits, n)
+    if in_counts is None:
         return False
     check_open(group, "all_to_all")
-    out, inp = found_out[0], found_in[0]
     run_numbered(group, "all_to_all", group.transport.all_to_all,
-                 (out, inp, [out.size // n] * n, [inp.size // n] * n), None, found_in[3],
-                 -1, None)
+                 (out, inp, out_counts, in_counts), None, found_in[3], -1, None)
     return True
 
 

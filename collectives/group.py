@@ -31,7 +31,7 @@ from .backend import Backend
 from .buffers import HostBuffer, host_dtype, to_host
 from .errors import GroupAborted
 from .errors import where as where_text
-from .fast_path import HostViews, fast_collective, fast_even_all_to_all, fast_p2p, \
+from .fast_path import HostViews, fast_collective, fast_all_to_all, fast_p2p, \
     fast_pair, fast_rooted
 from .reduce_op import ReduceOp, check_reducible
 from .subgroup import SubGroup
@@ -341,9 +341,9 @@ class ProcessGroup:
         Both ranks: ``pg.all_to_all(out := np.empty(2), np.array([10.0 * pg.rank, 10.0 * pg.rank + 1]))``
         -> rank 0 ``[0., 10.]``, rank 1 ``[1., 11.]``.
         """
-        if (self._fast and not async_op and not self._pending and output_split_sizes is None
-                and input_split_sizes is None
-                and fast_even_all_to_all(self, output, input)):   # (collectives.fast_path)
+        if (self._fast and not async_op and not self._pending
+                and fast_all_to_all(self, output, input, output_split_sizes,
+                                    input_split_sizes)):   # (collectives.fast_path)
             return None
         w = self._where("all_to_all")
         self._args.tensor(output, "output", w)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
+import os
+import sys
 from typing import Callable, Union
 
 Factory = Callable[..., "object"]
@@ -123,12 +125,13 @@ def get_backend(name: str, *, where: str = "get_backend",
 
 
 def available_backends() -> list[str]:
-    """Names of the backends that can be used here (their modules and libraries exist)."""
+    """Names of the backends that can be used here (their libraries exist), found without
+    importing any of them: a bad ``--backend`` is reported in a fraction of a second."""
     _load_entry_points()
     names = []
     for name, (spec, needs) in _BUILTIN.items():
-        module_name = spec.partition(":")[0]
-        if importlib.util.find_spec(module_name) is None:
+        # (find_spec of "a.b.c" would import the packages a and a.b: torch, for gloo's)
+        if importlib.util.find_spec(spec.partition(".")[0]) is None:
             continue
         if needs is not None and importlib.util.find_spec(needs) is None:
             continue
@@ -139,8 +142,12 @@ def available_backends() -> list[str]:
 
 
 def _cuda_available() -> bool:
+    """Whether CUDA can be used: torch's answer where torch is imported already, else
+    whether an NVIDIA driver is loaded (torch is not imported only to ask)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return os.path.exists("/proc/driver/nvidia/version")
     try:
-        import torch
         return bool(torch.cuda.is_available())
     except Exception:  # noqa: BLE001 - a broken torch means no CUDA here
         return False

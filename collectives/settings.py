@@ -146,6 +146,10 @@ JOB_ID = _s("JOB_ID", "str", None, "all",
             default_doc="from the launcher's variables")
 SPAWNED = _s("SPAWNED", "flag", False, "spawn",
              "set by collectives.spawn in its ranks (the launcher is then 'spawn')")
+START_METHOD = _s("START_METHOD", "choice", None, "spawn",
+                  "how collectives.spawn starts ranks: forked from a warm fork server, or "
+                  "each a fresh interpreter", choices=("forkserver", "spawn"),
+                  default_doc="forkserver where the platform has it, else spawn")
 DEBUG = _s("DEBUG", "flag", False, "all",
            "check before every collective that all ranks make the same call")
 FLIGHT_RECORDER = _s("FLIGHT_RECORDER", "int", 256, "all",

@@ -1,8 +1,9 @@
 """``collectives.spawn``: run a function on N local ranks and collect what they return.
 
-Each rank is a fresh interpreter (the ``spawn`` start method: no inherited threads or
-locks) with the environment a launcher would give it (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ``COLLECTIVES_JOB_ID``). If one rank
+Each rank is forked from a warm fork server that has imported the heavy modules once, or
+is a fresh interpreter with ``COLLECTIVES_START_METHOD=spawn`` (:mod:`collectives.warm_start`
+says how and why), with the environment a launcher would give it (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ``COLLECTIVES_JOB_ID``). If one rank
 raises or dies, the others are stopped, everything the job allocated is removed, and the
 parent raises :class:`SpawnError` naming the rank and carrying its traceback, once.
 """
@@ -25,7 +26,7 @@ import time
 import traceback
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
-from . import settings
+from . import settings, warm_start
 from .errors import CollectiveError, CollectiveTimeout, PeerError
 from .validation import timeout_seconds
 from .outer_launcher import refuse_under_launcher
@@ -127,8 +128,10 @@ def die_with_parent() -> None:
             pass
 
 
-def _rank_main(fn: Callable[..., Any], args: tuple,
+def _rank_main(method: str, fn: Callable[..., Any], args: tuple,
                conn: multiprocessing.connection.Connection) -> None:
+    # `method` is what warm_start.RankSetup became when this rank unpickled it: the
+    # rank's environment and streams are in place.
     die_with_parent()
     # The parent handles Ctrl-C for the whole job and stops us with SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -153,6 +156,7 @@ def _rank_main(fn: Callable[..., Any], args: tuple,
                                 traceback.format_exc(), None))
     conn.send_bytes(payload)
     conn.close()
+    warm_start.run_exit_handlers(method)
 
 
 def _is_secondary(error_name: str) -> bool:
@@ -187,7 +191,8 @@ def spawn(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
     """
     refuse_under_launcher(nproc)
     args, seconds = _check_arguments(fn, nproc, args, backend, timeout, join_timeout, env)
-    ctx = multiprocessing.get_context("spawn")
+    method = warm_start.start_method()
+    ctx = warm_start.context(method)
     job_id = secrets.token_hex(6)
     base_env = {
         "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
@@ -211,11 +216,13 @@ def spawn(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
         try:
             for rank in range(nproc):
                 reader, writer = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=_rank_main, args=(fn, args, writer),
+                rank_env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
+                setup = warm_start.RankSetup(dict(os.environ, **rank_env), method)
+                p = ctx.Process(target=_rank_main, args=(setup, fn, args, writer),
                                 name=f"collectives-rank{rank}", daemon=False)
-                # The environment must be in place when the interpreter starts, before it
-                # unpickles `fn` (and imports torch, which reads OMP_NUM_THREADS once).
-                with _environment(dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))):
+                # Under spawn the environment must be in place when the interpreter
+                # starts, before it imports torch (which reads OMP_NUM_THREADS once).
+                with warm_start.environment(rank_env):
                     p.start()
                 writer.close()
                 procs.append(p)
@@ -385,22 +392,6 @@ class SpawnedJob:
         for p in self.procs:
             p.close() if p.exitcode is not None else None
         remove_job_segments(self.job_id)
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """Set environment variables for the duration of the block (child processes
-    started inside inherit them)."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 class sigterm_raises:

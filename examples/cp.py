@@ -35,24 +35,57 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import BatchSampler  # noqa: E402
-
-import collectives  # noqa: E402
-from examples.common.harness import (launch, parse_args, print_summary,  # noqa: E402
-                                     progress, traced_step)
-from examples.common.mnist import load_mnist  # noqa: E402
-from examples.common.trace import Tracer  # noqa: E402
-from parallel import DDP, DeviceMesh, ShardSampler  # noqa: E402
-from parallel.cp import ContextParallelAttention, shard_sequence, unshard_sequence  # noqa: E402
-from parallel.tp import ParallelTransformerBlock, TransformerBlock  # noqa: E402
+from examples.common.cli import launch, parse_args, print_summary  # noqa: E402
 
 PATCH = 2                       # pixels per side of a token
 PATCHES = (28 // PATCH) ** 2    # 196 tokens of the image
 SUMMARY = 4                     # learned tokens appended: 200 in all
 TOKENS = PATCHES + SUMMARY
 
+
+def add_cp_options(p) -> None:
+    p.add_argument("--cp-algorithm", choices=("ring", "all_gather"), default="ring",
+                   help="how attention gets the other ranks' keys and values "
+                        "(default: %(default)s)")
+    p.add_argument("--layout", choices=("contiguous", "zigzag"), default="contiguous",
+                   help="which tokens each rank holds (default: %(default)s)")
+    p.add_argument("--causal", action="store_true",
+                   help="causal attention (each token sees those before it)")
+    p.add_argument("--hidden", type=int, default=32, help="default: %(default)s")
+    p.add_argument("--heads", type=int, default=2, help="default: %(default)s")
+    p.add_argument("--layers", type=int, default=2, help="default: %(default)s")
+    p.add_argument("--max-steps", type=int, default=0,
+                   help="stop training after this many steps (default 0: no limit)")
+
+
+def cp_args(argv=None):
+    """The example's options; a token count the layout's chunks do not divide ends the
+    program with status 2 and a message."""
+    args = parse_args("cp", argv, epochs=10, batch_size=32, lr=2e-3, description=__doc__,
+                      extra=add_cp_options)
+    chunks = args.nproc * (2 if args.layout == "zigzag" else 1)
+    if TOKENS % chunks:
+        print(f"examples/cp.py: --nproc {args.nproc} with --layout {args.layout} cuts the "
+              f"{TOKENS} tokens into {chunks} chunks, which does not divide them",
+              file=sys.stderr, flush=True)
+        sys.exit(2)
+    return args
+
+
+if __name__ == "__main__":   # parse first: a bad flag is refused before torch loads
+    ARGS = cp_args()
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import BatchSampler  # noqa: E402
+
+import collectives  # noqa: E402
+from examples.common.harness import progress, traced_step  # noqa: E402
+from examples.common.mnist import load_mnist  # noqa: E402
+from examples.common.trace import Tracer  # noqa: E402
+from parallel import DDP, DeviceMesh, ShardSampler  # noqa: E402
+from parallel.cp import ContextParallelAttention, shard_sequence, unshard_sequence  # noqa: E402
+from parallel.tp import ParallelTransformerBlock, TransformerBlock  # noqa: E402
 
 class PatchEmbedding(nn.Module):
     """(b, 784) images -> (b, 200, hidden): a token per 2x2 patch, embedded from the 4x4
@@ -184,34 +217,5 @@ def main(args):
     pg.close()
 
 
-def add_cp_options(p) -> None:
-    p.add_argument("--cp-algorithm", choices=("ring", "all_gather"), default="ring",
-                   help="how attention gets the other ranks' keys and values "
-                        "(default: %(default)s)")
-    p.add_argument("--layout", choices=("contiguous", "zigzag"), default="contiguous",
-                   help="which tokens each rank holds (default: %(default)s)")
-    p.add_argument("--causal", action="store_true",
-                   help="causal attention (each token sees those before it)")
-    p.add_argument("--hidden", type=int, default=32, help="default: %(default)s")
-    p.add_argument("--heads", type=int, default=2, help="default: %(default)s")
-    p.add_argument("--layers", type=int, default=2, help="default: %(default)s")
-    p.add_argument("--max-steps", type=int, default=0,
-                   help="stop training after this many steps (default 0: no limit)")
-
-
-def cp_args(argv=None):
-    """The example's options; a token count the layout's chunks do not divide ends the
-    program with status 2 and a message."""
-    args = parse_args("cp", argv, epochs=10, batch_size=32, lr=2e-3, description=__doc__,
-                      extra=add_cp_options)
-    chunks = args.nproc * (2 if args.layout == "zigzag" else 1)
-    if TOKENS % chunks:
-        print(f"examples/cp.py: --nproc {args.nproc} with --layout {args.layout} cuts the "
-              f"{TOKENS} tokens into {chunks} chunks, which does not divide them",
-              file=sys.stderr, flush=True)
-        sys.exit(2)
-    return args
-
-
 if __name__ == "__main__":
-    launch(main, cp_args())
+    launch(main, ARGS)

@@ -20,13 +20,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from examples.common.cli import launch, parse_args, print_summary  # noqa: E402
+
+if __name__ == "__main__":   # parse first: a bad flag is refused before torch loads
+    ARGS = parse_args("ddp", epochs=5, batch_size=32, lr=0.05, description=__doc__)
+
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import BatchSampler  # noqa: E402
 
 import collectives  # noqa: E402
-from examples.common.harness import build_mlp, launch, parse_args  # noqa: E402
-from examples.common.harness import print_summary, progress, sharded_accuracy  # noqa: E402
+from examples.common.harness import build_mlp, progress, sharded_accuracy  # noqa: E402
 from examples.common.mnist import load_mnist  # noqa: E402
 from examples.common.trace import Tracer  # noqa: E402
 from parallel import DDP, ShardSampler  # noqa: E402
@@ -70,4 +74,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    launch(main, parse_args("ddp", epochs=5, batch_size=32, lr=0.05, description=__doc__))
+    launch(main, ARGS)

@@ -21,14 +21,31 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from examples.common.cli import launch, parse_args, print_summary  # noqa: E402
+
+PARAM_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _options(p) -> None:
+    p.add_argument("--strategy", choices=("zero1", "zero2", "zero3"), default="zero3",
+                   help="what is sharded: optimizer state (zero1), + gradients (zero2), "
+                        "+ parameters (zero3) (default: %(default)s)")
+    p.add_argument("--param-dtype", choices=PARAM_DTYPES, default="float32",
+                   help="compute (and gather, and reduce gradients) in this dtype; the "
+                        "sharded master weights stay float32 (default: %(default)s)")
+
+
+if __name__ == "__main__":   # parse first: a bad flag is refused before torch loads
+    ARGS = parse_args("fsdp", epochs=5, batch_size=32, lr=0.05, description=__doc__,
+                      extra=_options)
+
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import BatchSampler  # noqa: E402
 
 import collectives  # noqa: E402
-from examples.common.harness import build_mlp, launch, parse_args  # noqa: E402
-from examples.common.harness import print_summary, progress, sharded_accuracy  # noqa: E402
+from examples.common.harness import build_mlp, progress, sharded_accuracy  # noqa: E402
 from examples.common.mnist import load_mnist  # noqa: E402
 from examples.common.trace import Tracer  # noqa: E402
 from parallel import FSDP, ShardSampler  # noqa: E402
@@ -74,21 +91,5 @@ def main(args):
     pg.close()
 
 
-def _parse():
-    # The common options, plus this example's two; parsed in two passes so that the
-    # shared parser in examples/common stays as it is.
-    import argparse
-    extra = argparse.ArgumentParser(prog="examples/fsdp.py", add_help=False)
-    extra.add_argument("--strategy", choices=("zero1", "zero2", "zero3"), default="zero3")
-    extra.add_argument("--param-dtype", choices=tuple(DTYPES), default="float32")
-    known, rest = extra.parse_known_args()
-    if "-h" in rest or "--help" in rest:
-        print("examples/fsdp.py options: --strategy zero1|zero2|zero3 (default zero3), "
-              "--param-dtype float32|bfloat16|float16 (default float32); and:")
-    args = parse_args("fsdp", rest, epochs=5, batch_size=32, lr=0.05, description=__doc__)
-    args.strategy, args.param_dtype = known.strategy, known.param_dtype
-    return args
-
-
 if __name__ == "__main__":
-    launch(main, _parse())
+    launch(main, ARGS)

@@ -31,13 +31,47 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import collectives  # noqa: E402
+from examples.common.cli import launch, parse_args, print_summary  # noqa: E402
+
+
+def add_moe_options(p) -> None:
+    p.add_argument("--experts", type=int, default=8,
+                   help="experts per layer, divisible by the ranks (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token (default: "
+                   "%(default)s)")
+    p.add_argument("--capacity-factor", type=float, default=None,
+                   help="each expert accepts at most ceil(c * T * k / E) of a rank's T "
+                        "tokens per step (default: no limit)")
+    p.add_argument("--aux-weight", type=float, default=0.05,
+                   help="weight of the load-balancing loss; 0 turns it off (default: "
+                        "%(default)s)")
+    p.add_argument("--dim", type=int, default=64, help="token width (default: %(default)s)")
+    p.add_argument("--layers", type=int, default=2, help="MoE blocks (default: %(default)s)")
+
+
+def moe_args(argv=None):
+    """The example's options. Spawning ``--nproc`` ranks that do not divide ``--experts``
+    ends the program with status 2 and a message (under mpirun or torchrun the layer
+    itself refuses, with a ValueError naming both)."""
+    args = parse_args("moe", argv, epochs=5, batch_size=32, lr=0.05, description=__doc__,
+                      extra=add_moe_options)
+    single = collectives.detect_rendezvous().launcher == "single"
+    if single and args.experts % args.nproc:
+        print(f"examples/moe.py: --experts {args.experts} is not divisible by --nproc "
+              f"{args.nproc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    return args
+
+
+if __name__ == "__main__":   # parse first: a bad flag is refused before torch loads
+    ARGS = moe_args()
+
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import BatchSampler  # noqa: E402
 
-import collectives  # noqa: E402
-from examples.common.harness import launch, parse_args, print_summary  # noqa: E402
 from examples.common.harness import progress, sharded_accuracy  # noqa: E402
 from examples.common.mnist import load_mnist  # noqa: E402
 from examples.common.trace import Tracer  # noqa: E402
@@ -165,34 +199,5 @@ def main(args):
     pg.close()
 
 
-def add_moe_options(p) -> None:
-    p.add_argument("--experts", type=int, default=8,
-                   help="experts per layer, divisible by the ranks (default: %(default)s)")
-    p.add_argument("--top-k", type=int, default=2, help="experts per token (default: "
-                   "%(default)s)")
-    p.add_argument("--capacity-factor", type=float, default=None,
-                   help="each expert accepts at most ceil(c * T * k / E) of a rank's T "
-                        "tokens per step (default: no limit)")
-    p.add_argument("--aux-weight", type=float, default=0.05,
-                   help="weight of the load-balancing loss; 0 turns it off (default: "
-                        "%(default)s)")
-    p.add_argument("--dim", type=int, default=64, help="token width (default: %(default)s)")
-    p.add_argument("--layers", type=int, default=2, help="MoE blocks (default: %(default)s)")
-
-
-def moe_args(argv=None):
-    """The example's options. Spawning ``--nproc`` ranks that do not divide ``--experts``
-    ends the program with status 2 and a message (under mpirun or torchrun the layer
-    itself refuses, with a ValueError naming both)."""
-    args = parse_args("moe", argv, epochs=5, batch_size=32, lr=0.05, description=__doc__,
-                      extra=add_moe_options)
-    single = collectives.detect_rendezvous().launcher == "single"
-    if single and args.experts % args.nproc:
-        print(f"examples/moe.py: --experts {args.experts} is not divisible by --nproc "
-              f"{args.nproc}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    return args
-
-
 if __name__ == "__main__":
-    launch(main, moe_args())
+    launch(main, ARGS)

@@ -22,12 +22,36 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from examples.common.cli import launch, parse_args, print_summary  # noqa: E402
+
+TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "zb": "ZB-H1", "interleaved": "interleaved 1F1B"}
+
+
+def _options(p) -> None:
+    p.add_argument("--schedule", choices=sorted(TITLES), default="1f1b",
+                   help="pipeline schedule (default: %(default)s)")
+    p.add_argument("--microbatches", type=int, default=4,
+                   help="micro-batches per step; must divide --batch-size (default: "
+                        "%(default)s)")
+    p.add_argument("--virtual-stages", type=int, default=2,
+                   help="stages per rank for --schedule interleaved (default: %(default)s)")
+    p.add_argument("--picture", metavar="FILE.png", default=None,
+                   help="draw the schedule (and, with --trace, the measured last step)")
+
+
+if __name__ == "__main__":   # parse first: a bad flag is refused before torch loads
+    ARGS = parse_args("pp", epochs=4, batch_size=64, lr=0.05, description=__doc__,
+                      extra=_options)
+    if ARGS.batch_size % ARGS.microbatches:
+        sys.exit(f"examples/pp.py: --batch-size {ARGS.batch_size} is not a multiple of "
+                 f"--microbatches {ARGS.microbatches}")
+
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import collectives  # noqa: E402
-from examples.common.harness import launch, parse_args, print_summary, progress  # noqa: E402
+from examples.common.harness import progress  # noqa: E402
 from examples.common.mnist import load_mnist  # noqa: E402
 from examples.common.trace import Tracer  # noqa: E402
 from parallel.pp import (PipelineStage, Schedule1F1B, ScheduleGPipe,  # noqa: E402
@@ -36,7 +60,6 @@ from parallel.pp import (PipelineStage, Schedule1F1B, ScheduleGPipe,  # noqa: E4
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "zb": ScheduleZeroBubble,
              "interleaved": ScheduleInterleaved1F1B}
-TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "zb": "ZB-H1", "interleaved": "interleaved 1F1B"}
 
 
 def build_pipeline_mlp(seed: int) -> nn.Sequential:
@@ -138,22 +161,5 @@ def main(args):
     pg.close()
 
 
-def _options(p) -> None:
-    p.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b",
-                   help="pipeline schedule (default: %(default)s)")
-    p.add_argument("--microbatches", type=int, default=4,
-                   help="micro-batches per step; must divide --batch-size (default: "
-                        "%(default)s)")
-    p.add_argument("--virtual-stages", type=int, default=2,
-                   help="stages per rank for --schedule interleaved (default: %(default)s)")
-    p.add_argument("--picture", metavar="FILE.png", default=None,
-                   help="draw the schedule (and, with --trace, the measured last step)")
-
-
 if __name__ == "__main__":
-    args = parse_args("pp", epochs=4, batch_size=64, lr=0.05, description=__doc__,
-                      extra=_options)
-    if args.batch_size % args.microbatches:
-        sys.exit(f"examples/pp.py: --batch-size {args.batch_size} is not a multiple of "
-                 f"--microbatches {args.microbatches}")
-    launch(main, args)
+    launch(main, ARGS)

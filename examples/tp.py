@@ -29,13 +29,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from examples.common.cli import launch, parse_args, print_summary  # noqa: E402
+
+if __name__ == "__main__":   # parse first: a bad flag is refused before torch loads
+    ARGS = parse_args("tp", epochs=3, batch_size=32, lr=0.05, description=__doc__)
+
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import BatchSampler  # noqa: E402
 
 import collectives  # noqa: E402
-from examples.common.harness import build_mlp, launch, parse_args  # noqa: E402
-from examples.common.harness import print_summary, progress, traced_step  # noqa: E402
+from examples.common.harness import build_mlp, progress, traced_step  # noqa: E402
 from examples.common.mnist import load_mnist  # noqa: E402
 from examples.common.trace import Tracer  # noqa: E402
 from parallel import ShardSampler  # noqa: E402
@@ -109,4 +113,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    launch(main, parse_args("tp", epochs=3, batch_size=32, lr=0.05, description=__doc__))
+    launch(main, ARGS)

@@ -24,6 +24,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from job_env import job_env  # noqa: E402
+from examples.common.cli import SUMMARY_KEYS  # noqa: E402
 from collectives.testing.threads import run_threads  # noqa: E402
 from parallel import DeviceMesh  # noqa: E402
 from parallel.cp import ContextParallelAttention, shard_sequence, unshard_sequence  # noqa: E402
@@ -183,8 +184,7 @@ def _example(argv: list, timeout: float, launcher: tuple = ()) -> dict:
                           text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert list(summary) == ["example", "backend", "world_size", "epochs", "wall_s",
-                             "samples_per_s", "final_loss", "final_acc"]
+    assert list(summary) == list(SUMMARY_KEYS)
     assert summary["example"] == "cp"
     return summary
 

@@ -670,7 +670,7 @@ def _run_example(*args, timeout):
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(summary) == {"example", "backend", "world_size", "epochs", "wall_s",
+    assert set(summary) == {"example", "backend", "world_size", "epochs", "wall_s", "total_s",
                             "samples_per_s", "final_loss", "final_acc"}
     return summary, time.monotonic() - start
 

@@ -43,7 +43,8 @@ import pytest
 
 import collectives
 from collectives.shm_names import PREFIX, SHM_DIR, job_digest
-from collectives.spawn import _environment, free_port
+from collectives.spawn import free_port
+from collectives.warm_start import environment as _environment
 from collectives.testing.pool import WorldPool
 
 #: The backends whose groups are created and destroyed (``p2p:shm`` shares shm's).

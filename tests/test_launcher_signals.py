@@ -247,10 +247,23 @@ def _example(tmp_path: Path, *extra: str) -> Job:
                 *extra], tmp_path)
 
 
+def _ranks_of(pid: int) -> list[int]:
+    """The ranks a job ``pid`` started with collectives.spawn: its descendants that have no
+    children of their own (forked from its fork server, or with COLLECTIVES_START_METHOD=
+    spawn its own children), other than multiprocessing's resource tracker."""
+    found, todo = [], _children(pid)
+    while todo:
+        p = todo.pop()
+        below = _children(p)
+        todo += below
+        if not below and "resource_tracker" not in tmp_read(Path(f"/proc/{p}/cmdline")):
+            found.append(p)
+    return found
+
+
 def _training(job: Job, n: int) -> bool:
     """Every rank started and rank 0's progress bar moves."""
-    job.ranks = [p for p in _children(job.proc.pid)
-                 if "resource_tracker" not in tmp_read(Path(f"/proc/{p}/cmdline"))]
+    job.ranks = _ranks_of(job.proc.pid)
     return len(job.ranks) >= n and "it/s" in job.output()[1]
 
 

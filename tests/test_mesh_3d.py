@@ -222,7 +222,7 @@ def _run_example(argv: list, timeout: float, launcher: tuple = ()) -> dict:
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     summary = json.loads(lines[-1])
-    assert list(summary) == ["example", "backend", "world_size", "epochs", "wall_s",
+    assert list(summary) == ["example", "backend", "world_size", "epochs", "wall_s", "total_s",
                              "samples_per_s", "final_loss", "final_acc"]
     account = json.loads(next(l for l in lines if l.startswith("account "))[len("account "):])
     assert account["every_rank_agrees"] is True, proc.stdout

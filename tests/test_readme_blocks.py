@@ -16,7 +16,7 @@ heading and the README line, so that a failure says where the README went stale:
   expanded over their values) must pass the script's own argparse parser. Nothing is
   trained or measured: one process (``tests/scripts/parse_only.py``) runs every script
   with ``ArgumentParser.parse_args`` patched to stop right after a successful parse (the
-  examples instead stop in ``examples.common.harness.launch``, so their own checks after
+  examples instead stop in ``examples.common.cli.launch``, so their own checks after
   the parse, e.g. mesh.py's ``--nproc`` = dp*tp*pp, run too); an unknown, abbreviated or
   malformed flag is argparse's exit status 2 and fails the test that names the README
   line. Inline `spans` of the prose that start such a command are checked the same way.

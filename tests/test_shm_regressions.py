@@ -57,9 +57,8 @@ def _rank_input(r, count, dtype, seed):
 
 
 def _cases(limit_bytes):
-    import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
-    from collectives.buffers import SUPPORTED_DTYPES
-    dtypes = [d for d in SUPPORTED_DTYPES if str(d) in _REDUCIBLE or d.name == "bfloat16"]
+    from collectives.dtypes import supported_dtypes
+    dtypes = [d for d in supported_dtypes() if str(d) in _REDUCIBLE or d.name == "bfloat16"]
     seed = 0
     for dt in dtypes:
         edge = limit_bytes // dt.itemsize

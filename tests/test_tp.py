@@ -666,7 +666,7 @@ _EPOCH_LINE = re.compile(r"epoch (\d+)/(\d+) loss ([0-9.]+)")
 def _summary(out: str, err: str) -> tuple:
     """The summary line and the per-epoch losses rank 0 printed."""
     summary = json.loads(out.strip().splitlines()[-1])
-    assert list(summary) == ["example", "backend", "world_size", "epochs", "wall_s",
+    assert list(summary) == ["example", "backend", "world_size", "epochs", "wall_s", "total_s",
                              "samples_per_s", "final_loss", "final_acc"]
     losses = [float(m.group(3)) for m in _EPOCH_LINE.finditer(err)]
     return summary, losses

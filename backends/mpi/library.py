@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from collectives import settings
+from collectives import dtypes, settings
 from collectives.reduce_op import ReduceOp, combine_into
 
 #: ``mpi4py.MPI`` once :func:`load_mpi` ran.
@@ -87,15 +87,12 @@ _MPI_OPS: dict = {}
 #: numpy dtype -> MPI datatype for reductions MPI does itself.
 _REDUCE_TYPES: dict = {}
 #: float16 and bfloat16: reduced by user-defined operators over 16-bit words.
-_USER_OP_DTYPES: tuple = ()
+_USER_OP_DTYPES: list = []
 _USER_OPS: dict = {}
 _USER_OPS_LOCK = threading.Lock()
 
 
 def _init_tables(mpi: Any) -> None:
-    import ml_dtypes
-
-    global _USER_OP_DTYPES
     _MPI_OPS.update({ReduceOp.SUM: mpi.SUM, ReduceOp.AVG: mpi.SUM, ReduceOp.PRODUCT: mpi.PROD,
                      ReduceOp.MIN: mpi.MIN, ReduceOp.MAX: mpi.MAX})
     _REDUCE_TYPES.update({
@@ -103,7 +100,9 @@ def _init_tables(mpi: Any) -> None:
         np.dtype(np.int8): mpi.INT8_T, np.dtype(np.uint8): mpi.UINT8_T,
         np.dtype(np.int16): mpi.INT16_T, np.dtype(np.int32): mpi.INT32_T,
         np.dtype(np.int64): mpi.INT64_T})
-    _USER_OP_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+    if not _USER_OP_DTYPES:
+        _USER_OP_DTYPES.append(np.dtype(np.float16))
+        dtypes.when_bfloat16(_USER_OP_DTYPES.append)
 
 
 def _user_op(op: ReduceOp, dtype: np.dtype) -> Any:

@@ -45,6 +45,7 @@ from . import moves
 from . import segment as sg
 from .channels import HEADER_BYTES, Engine
 from .cma import SingleCopy, cma_from_bytes
+from .cma_all_to_all import CMA_ALL_TO_ALL_BYTES
 from .codes import (OP_ALL_GATHER, OP_ALL_REDUCE, OP_BROADCAST, OP_GATHER, OP_REDUCE,
                     OP_REDUCE_SCATTER, OP_SCATTER, dtype_code, dtype_name)
 from .core import PythonCore
@@ -222,7 +223,12 @@ class ShmBackend(Backend):
                                Path("a piece of S/n a phase, rank-order reduce")],
             "all_to_all": [Path("one phase: the counts, every input behind them",
                                 S // n, "shm.slot / size", inclusive=True),
-                           Path("the counts, then rounds of S/n pieces")],
+                           Path("the counts, then one more phase (every input fits a "
+                                "slot) or rounds of S/n pieces", CMA_ALL_TO_ALL_BYTES,
+                                "shm.cma_all_to_all.CMA_ALL_TO_ALL_BYTES"),
+                           Path("the counts, then each rank reads its parts from the "
+                                "peers' inputs (single copy, where every rank votes for it; "
+                                "else staged as above)")],
             "barrier": [Path("one empty phase")],
         }, lines=(
             SizeThreshold(f"shm.slot ({settings.SHM_CHUNK_BYTES.name})", S,

@@ -47,7 +47,9 @@ the reduced pieces back after a third phase instead (as this path did at first) 
 20-25% longer from 2 MiB: those reads came from memory. Messages of
 ``cma_min_bytes(n)`` and more take this path (1.5 MiB at 2 ranks; more with more ranks,
 whose pieces are smaller and whose reads are more) where every rank votes for it at that
-size; ``reduce`` (one root) and the other collectives keep theirs.
+size; the large all_to_all reads its parts the same way, with this group's vote and
+probe (:mod:`backends.shm.cma_all_to_all`); ``reduce`` (one root) and the other
+collectives keep theirs.
 """
 
 from __future__ import annotations
@@ -173,6 +175,9 @@ class SingleCopy:
         self.owner, self.ph, self.core, self.mod = owner, phases, core, mod
         self.decided: Optional[bool] = None
         self.min_bytes = cma_min_bytes(owner.size)
+        #: A byte the peers' probe reads where this rank publishes no array of its own
+        #: (an all_to_all's empty input): the probe must try every pair of ranks.
+        self.anchor = np.zeros(1, np.uint8)
 
     def line(self) -> int:
         """This rank's vote in phase 1: the smallest message it reads its peers' memory
@@ -218,24 +223,25 @@ class SingleCopy:
         if a.nbytes < line:
             return False
         if self.decided is None:
-            self.decided = self._probe(addrs)
+            self.decided = self.probe(addrs)
             if not self.decided:
                 return False
         itemsize = a.itemsize
         k0, k1 = piece_bounds(a.size, n, itemsize)[me]
         if k1 > k0:
             rc = core.cma_reduce(a[k0:k1], ph.pids, [x + k0 * itemsize for x in addrs], op)
-            self._check(rc, "reading the peers' pieces or writing them the result")
+            self.check(rc, "reading the peers' pieces or writing them the result")
         core.exchange(ph.enter())
         return True
 
-    def _probe(self, addrs: list) -> bool:
-        """Phase 2 of a group's first single-copy all_reduce: can every rank read a byte
-        of every peer's array, and write through the kernel at all? Decided alike on
-        every rank. The write goes to this rank's own memory: the kernel checks a write
-        into a peer exactly as a read of it (ptrace access mode ATTACH for both), while a
-        seccomp filter may allow one call and not the other; and nothing may be written
-        into a peer that could have left the call."""
+    def probe(self, addrs: list) -> bool:
+        """Phase 2 of a group's first single-copy all_reduce (or phase 3 of its first
+        single-copy all_to_all, :mod:`backends.shm.cma_all_to_all`): can every rank read
+        a byte of every peer's array at ``addrs``, and write through the kernel at all? Decided alike on every rank. The write goes to
+        this rank's own memory: the kernel checks a write into a peer exactly as a read
+        of it (ptrace access mode ATTACH for both), while a seccomp filter may allow one
+        call and not the other; and nothing may be written into a peer that could have
+        left the call."""
         ph, mod = self.ph, self.mod
         probe, target = np.zeros(1, np.uint8), np.zeros(1, np.uint8)
         ok = all(mod.cma_read(probe, ph.pids[r], addrs[r]) == 0 for r in ph.peers) \
@@ -245,7 +251,7 @@ class SingleCopy:
         self.core.exchange(q)
         return all(int(ph.sv(q & 1, r, np.uint64)[0]) for r in range(ph.size))
 
-    def _check(self, rc: int, what: str) -> None:
+    def check(self, rc: int, what: str) -> None:
         """Raise for a failed copy: PeerError for a peer that failed or closed (the core's
         ECANCELED: it stopped writing into it) or that is gone (the kernel's ESRCH),
         else CollectiveError with the kernel's reason."""

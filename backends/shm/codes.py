@@ -13,16 +13,18 @@ Two ranks, both in an all_reduce of 16 float32 (seq 7)::
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
-from collectives.buffers import SUPPORTED_DTYPES
+from collectives import dtypes
 from collectives.reduce_op import ReduceOp, kernel
 
 #: dtype -> code (1, 2, ...; 0 for anything else), and back to a name for messages.
-DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(SUPPORTED_DTYPES)}
-_DTYPE_NAME = {i + 1: str(dt) for i, dt in enumerate(SUPPORTED_DTYPES)}
-_DTYPE_NAME[DTYPE_CODE[np.dtype(ml_dtypes.bfloat16)]] = "bfloat16"
+#: (bfloat16 joins DTYPE_CODE when first met: collectives.dtypes. The compiled core
+#: holds this very dict, so it learns bfloat16 then too.)
+DTYPE_CODE = {np.dtype(name): i + 1 for i, name in enumerate(dtypes.NAMES)
+              if name != "bfloat16"}
+DTYPE_NAME = {i + 1: name for i, name in enumerate(dtypes.NAMES)}
+dtypes.when_bfloat16(lambda dt: DTYPE_CODE.__setitem__(dt, dtypes.BFLOAT16_CODE))
 
 
 def dtype_code(dt: np.dtype) -> int:
@@ -35,7 +37,7 @@ def dtype_code(dt: np.dtype) -> int:
 
 
 def dtype_name(code: int) -> str:
-    return _DTYPE_NAME.get(code, "bytes")
+    return DTYPE_NAME.get(code, "bytes")
 
 
 OP_BARRIER, OP_BROADCAST, OP_ALL_REDUCE, OP_REDUCE, OP_ALL_GATHER, OP_GATHER, OP_SCATTER, \

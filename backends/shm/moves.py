@@ -24,6 +24,7 @@ import numpy as np
 from collectives.errors import CollectiveMismatch
 from collectives.reduce_op import ReduceOp
 
+from . import cma_all_to_all
 from .codes import (INT64, OP_ALL_GATHER, OP_ALL_TO_ALL, OP_BROADCAST, OP_GATHER,
                     OP_REDUCE_SCATTER, OP_SCATTER)
 
@@ -133,6 +134,7 @@ def all_to_all_rest(ph: Any, core: Any, out: np.ndarray, inp: np.ndarray,
                     b: int) -> None:
     """The all_to_all once its first phase (in bank ``b``) is done: check the counts
     (CollectiveMismatch where they disagree), then copy out what came with them, or
+    read the parts from the peers' inputs (the single copy, where the group can), or
     run one more phase (every input fits a slot) or rounds of pieces."""
     n, me, dt = ph.size, ph.rank, out.dtype
     head = ph.a2a_head_bytes() // out.itemsize
@@ -147,9 +149,17 @@ def all_to_all_rest(ph: Any, core: Any, out: np.ndarray, inp: np.ndarray,
                     f"{ph.owner.where('all_to_all')} (seq {seq}): rank {j} sends "
                     f"{rows[j][k]} elements to rank {k}, but rank {k} expects "
                     f"{rows[k][n + j]} from rank {j} (input/output split sizes disagree)")
+    widest = max(sum(row[:n]) for row in rows)
+    if widest > room and cma_all_to_all.takes(rows, n, out.itemsize):
+        # Large parts: read them where they lie where the group can
+        # (backends.shm.cma_all_to_all), else stage them below. (The backend owns the
+        # group's single copy; a bare test double has none.)
+        copy = getattr(ph.owner, "single_copy", None)
+        if copy is not None and copy.decided is not False and \
+                cma_all_to_all.single_copy_all_to_all(copy, out, inp, rows, out_counts):
+            return
     in_off = list(accumulate(in_counts, initial=0))
     out_off = list(accumulate(out_counts, initial=0))
-    widest = max(sum(row[:n]) for row in rows)
     if widest <= ph.S // out.itemsize:
         if widest > room:
             # One more phase: every rank's whole input fits in its slot.

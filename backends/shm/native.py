@@ -66,11 +66,11 @@ def _load() -> Optional[ModuleType]:
                       f"`python setup.py build_ext --inplace`)"
         return None
     from . import segment as sg
-    from .codes import DTYPE_CODE, OP_ALL_REDUCE, REDOP_CODE, dtype_name
+    from .codes import DTYPE_CODE, DTYPE_NAME, OP_ALL_REDUCE, REDOP_CODE
     from .reduce import PIECE_MAX_BYTES
     layout = (sg.CTRL_STRIDE, sg.W_ARRIVED, sg.W_FP, sg.W_STATE, sg.W_SLEEPERS, sg.W_PUSHING,
               sg.BELL_BYTE, PIECE_MAX_BYTES, CORE_REVISION)
-    codes = {dtype_name(c): c for c in DTYPE_CODE.values()}
+    codes = {name: c for c, name in DTYPE_NAME.items()}
     redops = {op.name: c for op, c in REDOP_CODE.items()}
     if tuple(mod.LAYOUT) != layout or dict(mod.DTYPE_CODES) != codes or \
             dict(mod.REDOP_CODES) != redops or getattr(mod, "OP_ALL_REDUCE", None) \
@@ -81,7 +81,8 @@ def _load() -> Optional[ModuleType]:
                        f"rebuild it")
         return None
     # small_all_reduce tells a call's operator and dtype by these, without Python
-    mod.bind_codes(sorted(REDOP_CODE, key=REDOP_CODE.get), dict(DTYPE_CODE))
+    # (the dict itself, not a copy: bfloat16 joins it when first met)
+    mod.bind_codes(sorted(REDOP_CODE, key=REDOP_CODE.get), DTYPE_CODE)
     _module = mod
     return mod
 

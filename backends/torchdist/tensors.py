@@ -17,11 +17,11 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from collectives import dtypes
 from collectives.algorithms.links import fold_tag
 from collectives.reduce_op import ReduceOp
 
@@ -34,7 +34,7 @@ C10D_OP = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVG: dist.ReduceOp.SUM,
             ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT, ReduceOp.MIN: dist.ReduceOp.MIN,
             ReduceOp.MAX: dist.ReduceOp.MAX}
 
-#: The torch dtypes of ``collectives.buffers.SUPPORTED_DTYPES``.
+#: The torch dtypes of ``collectives.dtypes.NAMES``.
 TORCH_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64,
                            torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64,
                            torch.bool))
@@ -65,7 +65,7 @@ def as_tensor(a: Any) -> torch.Tensor:
     """``a`` as a flat torch tensor sharing its memory (a numpy array or a tensor)."""
     if isinstance(a, torch.Tensor):
         return a if a.dim() == 1 else a.reshape(-1)
-    if a.dtype == ml_dtypes.bfloat16:
+    if a.dtype.name == "bfloat16":
         return _from_numpy(a.view(np.uint16)).view(torch.bfloat16).reshape(-1)
     return _from_numpy(a).reshape(-1)
 
@@ -73,7 +73,7 @@ def as_tensor(a: Any) -> torch.Tensor:
 def as_numpy(t: torch.Tensor) -> np.ndarray:
     """The numpy view of a CPU tensor (bfloat16 as ``ml_dtypes.bfloat16``)."""
     if t.dtype == torch.bfloat16:
-        return t.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+        return t.view(torch.uint16).numpy().view(dtypes.bfloat16())
     return t.numpy()
 
 

@@ -39,9 +39,9 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple, Optional
 
-import ml_dtypes
 import numpy as np
 
+from collectives import dtypes
 from collectives.reduce_op import ReduceOp
 
 MAGIC = b"CZMQ"
@@ -87,11 +87,10 @@ REDOP_CODES = {None: 0, ReduceOp.SUM: 1, ReduceOp.AVG: 2, ReduceOp.PRODUCT: 3,
                ReduceOp.MIN: 4, ReduceOp.MAX: 5}
 REDOP_NAMES = {code: (op.name if op is not None else "-") for op, code in REDOP_CODES.items()}
 
-_DTYPES = (np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.int8, np.uint8,
-           np.int16, np.int32, np.int64, np.bool_)
-#: Stable codes of the dtypes (never derived from a tuple's order elsewhere).
-DTYPE_CODES = {np.dtype(d): i + 1 for i, d in enumerate(_DTYPES)}
-DTYPE_BY_CODE = {code: dt for dt, code in DTYPE_CODES.items()}
+#: Stable codes of the dtypes: collectives.dtypes.NAMES's (bfloat16 joins when first met).
+DTYPE_CODES = {np.dtype(name): i + 1 for i, name in enumerate(dtypes.NAMES)
+               if name != "bfloat16"}
+dtypes.when_bfloat16(lambda dt: DTYPE_CODES.__setitem__(dt, dtypes.BFLOAT16_CODE))
 
 
 def dtype_code(dtype: np.dtype) -> int:
@@ -99,8 +98,7 @@ def dtype_code(dtype: np.dtype) -> int:
 
 
 def dtype_name(code: int) -> str:
-    dt = DTYPE_BY_CODE.get(code)
-    return str(dt) if dt is not None else f"dtype#{code}"
+    return dtypes.NAMES[code - 1] if 0 < code <= len(dtypes.NAMES) else f"dtype#{code}"
 
 
 class Header(NamedTuple):

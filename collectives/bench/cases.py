@@ -44,6 +44,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from .. import dtypes
+
 #: Every op the benchmark knows, in the order ``--ops all`` runs them.
 OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "broadcast",
                         "all_to_all", "reduce", "gather", "scatter")
@@ -80,8 +82,7 @@ ROOT = 0
 def numpy_dtype(name: str) -> np.dtype:
     """The numpy dtype called ``name`` (bfloat16 through ml_dtypes)."""
     if name == "bfloat16":
-        import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
+        return dtypes.bfloat16()
     if name not in _EXACT_UP_TO:
         raise ValueError(f"bench: argument `dtype` must be one of {', '.join(DTYPES)}, "
                          f"got {name!r}")

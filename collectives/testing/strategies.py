@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 import numpy as np
 from hypothesis import strategies as st
 
-from ..buffers import SUPPORTED_DTYPES
+from .. import dtypes
 from ..reduce_op import ReduceOp
 from ..thresholds import SizeThreshold, boundary_sizes
 from . import reference
@@ -45,17 +45,16 @@ IN_PLACE_OPS = frozenset({"broadcast", "all_reduce", "reduce"})
 ROOT_ARG = {"broadcast": "src", "reduce": "dst", "gather": "dst", "scatter": "src"}
 
 #: Dtype names, as ``str(numpy.dtype)`` spells them (``bfloat16`` is ml_dtypes').
-DTYPES: tuple[str, ...] = tuple(str(d) for d in SUPPORTED_DTYPES)
+DTYPES: tuple[str, ...] = dtypes.NAMES
 FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 LAYOUTS = ("contiguous", "strided")
 KINDS = ("numpy", "torch")
 
-_DTYPE_BY_NAME = {str(d): d for d in SUPPORTED_DTYPES}
-
-
 def numpy_dtype(name: str) -> np.dtype:
     """The numpy dtype of a dtype name of :data:`DTYPES`."""
-    return _DTYPE_BY_NAME[name]
+    if name not in DTYPES:
+        raise KeyError(name)
+    return dtypes.by_name(name)
 
 
 @dataclass(frozen=True)
@@ -86,7 +85,7 @@ class CollectiveCase:
     def __post_init__(self) -> None:
         if self.op not in OPS:
             raise ValueError(f"CollectiveCase: unknown op {self.op!r}; one of {OPS}")
-        if self.dtype not in _DTYPE_BY_NAME:
+        if self.dtype not in DTYPES:
             raise ValueError(f"CollectiveCase: unknown dtype {self.dtype!r}; one of {DTYPES}")
         for arg, value, wanted in (("reduce_op", self.reduce_op, REDUCING_OPS),
                                    ("root", self.root, ROOT_ARG)):

@@ -4,7 +4,7 @@
 CHECKS.json is a list of ``{"kind": "path"|"module", "target", "argv", "env",
 "seconds"}``; each is run in this process in turn (torch and the scripts' imports load
 once) with ``argparse.ArgumentParser.parse_args`` patched. A script that parses with the
-examples' harness stops in ``examples.common.harness.launch`` (so its own checks after
+examples' command line stops in ``examples.common.cli.launch`` (so its own checks after
 the parse run first, e.g. mesh.py's ``--nproc`` = dp*tp*pp); any other stops as soon as a
 parser accepted all its arguments (``parse_args``, or ``parse_known_args`` with nothing
 left over). Abbreviated options are refused: a README flag must be the option's whole
@@ -40,7 +40,7 @@ class RanPastParser(BaseException):
     """The script went on past its parser (or has none): its alarm rang."""
 
 
-#: ``defer``: this script stops in harness.launch, not at its parse; ``depth``: inside a
+#: ``defer``: this script stops in cli.launch, not at its parse; ``depth``: inside a
 #: parse_args call (which calls parse_known_args itself).
 state = {"defer": False, "depth": 0}
 original_parse = argparse.ArgumentParser.parse_args
@@ -61,7 +61,7 @@ def parse_args(self, args=None, namespace=None):
 
 def parse_known_args(self, args=None, namespace=None):
     # Called directly (fsdp.py parses its own two options first, then the rest with the
-    # harness): done only when nothing is left over for a later parser.
+    # examples' command line): done only when nothing is left over for a later parser.
     self.allow_abbrev = False
     ns, extras = original_known(self, args, namespace)
     if state["depth"] == 0 and not extras and not state["defer"]:
@@ -81,8 +81,9 @@ def install() -> None:
     """Patch the parsers and the examples' launch; the alarm ends a script's check."""
     argparse.ArgumentParser.parse_args = parse_args
     argparse.ArgumentParser.parse_known_args = parse_known_args
+    import examples.common.cli as cli
     import examples.common.harness as harness
-    harness.launch = launch
+    cli.launch = harness.launch = launch
     signal.signal(signal.SIGALRM, alarm)
 
 
@@ -102,7 +103,7 @@ def run(check: dict) -> dict:
     signal.alarm(check["seconds"])
     try:
         source = open(target).read() if check["kind"] == "path" else ""
-        state["defer"] = bool("examples.common.harness import" in source
+        state["defer"] = bool("examples.common.cli import" in source
                               and re.search(r"\blaunch\(", source))
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             sys.argv = [target, *check["argv"]]
