@@ -1,7 +1,8 @@
-"""Data x pipeline x tensor (x expert) parallelism on one device mesh: a small transformer
-classifier of MNIST, cut into ``pp`` pipeline stages (parallel.pp), each stage's blocks
-split over ``tp`` (parallel.tp), each (pp, tp) replica sharded by FSDP (or DDP) across
-``dp``; with ``--experts``, each block followed by a mixture of experts sharded over ``ep``.
+"""Data x pipeline x tensor (x expert, x context) parallelism on one device mesh: a small
+transformer classifier of MNIST, cut into ``pp`` pipeline stages (parallel.pp), each
+stage's blocks split over ``tp`` (parallel.tp), each (pp, tp) replica sharded by FSDP (or
+DDP) across ``dp``; with ``--experts``, each block followed by a mixture of experts sharded
+over ``ep``; with ``--cp``, each image's rows split over ``cp`` (parallel.cp).
 
     python examples/mesh.py --dp 2 --tp 2 --pp 2               # 8 ranks, shared memory
     python examples/mesh.py --dp 2 --tp 2 --pp 2 --fsdp        # FSDP (ZeRO-3) across dp
@@ -9,10 +10,11 @@ split over ``tp`` (parallel.tp), each (pp, tp) replica sharded by FSDP (or DDP) 
     mpirun -n 8 python examples/mesh.py --dp 2 --tp 2 --pp 2   # backend mpi
     python examples/mesh.py --dp 2 --tp 2 --pp 2 --trace mesh.json  # then ui.perfetto.dev
     python examples/mesh.py --dp 2 --ep 2 --tp 1 --experts 4   # experts over ep, 4 ranks
+    python examples/mesh.py --dp 2 --cp 2 --tp 2               # rows over cp, 8 ranks
 
-The ranks form ``DeviceMesh(pg, (dp, ep, pp, tp), ("dp", "ep", "pp", "tp"))`` (row-major,
-as torch's ``init_device_mesh``; ep is 1 unless given: with 2x1x2x2, ranks 0 and 1 are one
-tp pair, 0 and 2 one pipeline, 0 and 4 one dp pair). The model (``examples/common/mesh_model.py``) reads each
+The ranks form ``DeviceMesh(pg, (dp, ep, pp, cp, tp), ("dp", "ep", "pp", "cp", "tp"))``
+(row-major, as torch's ``init_device_mesh``; ep and cp are 1 unless given: with
+2x1x2x1x2, ranks 0 and 1 are one tp pair, 0 and 2 one pipeline, 0 and 4 one dp pair). The model (``examples/common/mesh_model.py``) reads each
 image as a sequence of its 28 rows: a linear and a position embedding, ``--layers``
 pre-norm ``ParallelTransformerBlock``s (non-causal; heads and MLP features split over tp),
 a LayerNorm, the mean over the rows and a linear head; stage s holds a contiguous run of
@@ -24,6 +26,10 @@ them (E/ep each), the ep ranks train on batches of their own,
 so the replicated part is averaged over the dp x ep ranks (``mesh.flatten``) and each
 expert's gradient, summed over its ep group's tokens by backward, over the dp ranks and
 divided by dp x ep (``parallel.ep.average_expert_grads``).
+With ``--cp`` > 1 the ranks of one cp group hold 28/cp rows each of the same images
+(``--layout``), their attention exchanges keys and values (``--cp-algorithm``), and the
+head gathers the rows; every replicated gradient is averaged over dp x ep x cp and the
+experts' over dp x cp (``averaging_groups`` in ``examples/common/mesh_model.py``).
 ``--batch-size`` is the batch of one dp replica per step; with ``--pp`` > 1 it is split
 into ``--microbatches`` micro-batches and run by ``--schedule`` (1f1b or gpipe); the
 gradients accumulate over the micro-batches and dp averages them once per step.
@@ -45,6 +51,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from examples.common.cli import launch, parse_args, print_summary  # noqa: E402
 
 
+#: Rows of an MNIST image: the sequence cp splits (``ROWS`` of the model, known before
+#: torch is imported).
+IMAGE_ROWS = 28
+
+
 def add_mesh_options(p) -> None:
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default: 1)")
     p.add_argument("--ep", type=int, default=1,
@@ -58,6 +69,14 @@ def add_mesh_options(p) -> None:
     p.add_argument("--capacity-factor", type=float, default=None,
                    help="each expert accepts at most ceil(c*T*k/E) of a rank's T tokens "
                         "(default: no limit)")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context-parallel ranks: each holds 28/cp rows of every image "
+                        "(default: 1)")
+    p.add_argument("--cp-algorithm", choices=("ring", "all_gather"), default="ring",
+                   help="how attention gets the other cp ranks' keys and values "
+                        "(default: %(default)s)")
+    p.add_argument("--layout", choices=("contiguous", "zigzag"), default="contiguous",
+                   help="which rows each cp rank holds (default: %(default)s)")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (default: 2)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (default: 1)")
     p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
@@ -89,7 +108,7 @@ def mesh_args(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args("mesh", argv, epochs=10, batch_size=32, lr=0.05, description=__doc__,
                       extra=add_mesh_options)
-    for name in ("dp", "ep", "tp", "pp", "microbatches", "layers"):
+    for name in ("dp", "ep", "cp", "tp", "pp", "microbatches", "layers"):
         if getattr(args, name) < 1:
             _refuse(f"--{name} must be at least 1")
     if args.experts is None:
@@ -104,10 +123,15 @@ def mesh_args(argv=None):
     if args.pp > 1 and args.batch_size % args.microbatches:
         _refuse(f"--batch-size {args.batch_size} is not a multiple of --microbatches "
                 f"{args.microbatches}")
-    total = args.dp * args.ep * args.tp * args.pp
+    chunks = args.cp * (2 if args.layout == "zigzag" else 1)
+    if IMAGE_ROWS % chunks:
+        _refuse(f"--cp {args.cp} with --layout {args.layout} cuts the {IMAGE_ROWS} rows "
+                f"into {chunks} chunks, which does not divide them")
+    total = args.dp * args.ep * args.cp * args.tp * args.pp
     if any(a == "--nproc" or a.startswith("--nproc=") for a in argv):
         if args.nproc != total:
-            dims = "dp*tp*pp" if args.ep == 1 else "dp*ep*tp*pp"
+            dims = "*".join(n for n in ("dp", "ep", "cp", "tp", "pp")
+                            if n in ("dp", "tp", "pp") or getattr(args, n) > 1)
             _refuse(f"--nproc {args.nproc} must equal {dims} = {total}")
     args.nproc = total
     return args
@@ -124,7 +148,8 @@ from torch.utils.data import BatchSampler  # noqa: E402
 import collectives  # noqa: E402
 from examples.common.comm_account import CountingGroup  # noqa: E402
 from examples.common.harness import progress  # noqa: E402
-from examples.common.mesh_model import (ROWS, expert_parallel, moe_traffic,  # noqa: E402
+from examples.common.mesh_model import (ROWS, averaging_groups,  # noqa: E402
+                                        context_parallel, expert_parallel, moe_traffic,
                                         predicted_bytes, row_transformer, stage_pieces,
                                         tensor_parallel)
 from examples.common.mnist import load_mnist  # noqa: E402
@@ -134,7 +159,7 @@ from parallel.ep import MoE, average_expert_grads, replicate_outside_experts  # 
 from parallel.pp import PipelineStage, Schedule1F1B, ScheduleGPipe  # noqa: E402
 from parallel.tp import ParallelTransformerBlock  # noqa: E402
 
-NAMES = ("dp", "ep", "pp", "tp")
+NAMES = ("dp", "ep", "pp", "cp", "tp")
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 EVAL_CHUNK = 250      # test images per pipelined forward in evaluation
 
@@ -166,11 +191,13 @@ class _Replica:
     def __init__(self, args, dense: nn.Sequential, mesh: DeviceMesh, groups: dict) -> None:
         self.stage, self.num_stages = mesh.local_rank("pp"), args.pp
         self.first, self.last = self.stage == 0, self.stage == args.pp - 1
-        self.hidden = args.hidden
-        split = expert_parallel(tensor_parallel(dense, groups["tp"]), groups["ep"])
+        self.hidden, self.rows = args.hidden, ROWS // args.cp
+        split = context_parallel(tensor_parallel(dense, groups["tp"]), groups["cp"],
+                                 args.layout, args.cp_algorithm)
+        split = expert_parallel(split, groups["ep"])
         self.pieces = nn.Sequential(*(split[i] for i in stage_pieces(args.layers, args.pp,
                                                                      self.stage)))
-        self.expert_replicas = groups["dp"]        # the ranks that hold the same experts
+        self.expert_replicas = groups["experts"]   # the ranks that hold the same experts
         if args.fsdp:
             wrap = lambda m: FSDP(m, groups["dense"], wrap=ParallelTransformerBlock)  # noqa: E731
         else:
@@ -213,7 +240,7 @@ class _Replica:
         stage, each sending its output to the next over ``pp_group``."""
         h = x
         if not self.first:
-            h = torch.empty(len(x), ROWS, self.hidden)
+            h = torch.empty(len(x), self.rows, self.hidden)
             pp_group.recv(h, src=self.stage - 1, tag=7)
         h = self.module(h)
         if not self.last:
@@ -223,21 +250,26 @@ class _Replica:
 
 
 def train_on_mesh(pg, args, dense: nn.Sequential, tracer: Tracer = None) -> dict:
-    """Train a copy of ``dense`` on the (dp, pp, tp) mesh over ``pg``. Returns the epochs'
+    """Train a copy of ``dense`` on the (dp, ep, pp, cp, tp) mesh over ``pg``. Returns the epochs'
     mean losses (over every replica), this rank's loss of each step (the mean over its dp
     shard of the batch; on the last stage's ranks only, else empty), the steps, the measured
     and the predicted bytes per step on each dimension, the mesh and the replica."""
     tracer = tracer or Tracer(pg.rank, enabled=False)
-    mesh = DeviceMesh(pg, (args.dp, args.ep, args.pp, args.tp), NAMES)
+    mesh = DeviceMesh(pg, (args.dp, args.ep, args.pp, args.cp, args.tp), NAMES)
+    averaging = averaging_groups(mesh)
     counted = {name: CountingGroup(tracer.wrap(mesh[name], name)) for name in NAMES}
-    # The replicated part's data-parallel ranks: dp, or dp x ep (each ep rank has its own
-    # batch); counted under dp beside the experts' averaging over dp.
-    replicated = counted["dp"] if args.ep == 1 else CountingGroup(
-        tracer.wrap(mesh.flatten(("dp", "ep")), "dp"))
     counters = {name: [g] for name, g in counted.items()}
-    if replicated is not counted["dp"]:
-        counters["dp"].append(replicated)
-    replica = _Replica(args, dense, mesh, {**counted, "dense": replicated})
+    # The replicated part's and the experts' averaging groups (dp, or dp with ep and cp),
+    # counted under dp.
+    reducing = {}
+    for role in ("replicated", "experts"):
+        if averaging[role] is mesh["dp"]:
+            reducing[role] = counted["dp"]
+        else:
+            reducing[role] = CountingGroup(tracer.wrap(averaging[role], "dp"))
+            counters["dp"].append(reducing[role])
+    replica = _Replica(args, dense, mesh, {**counted, "dense": reducing["replicated"],
+                                           "experts": reducing["experts"]})
     ep_bytes = [0]
 
     def count_ep(moe, inputs, output) -> None:  # each training forward's exchanges
@@ -248,9 +280,10 @@ def train_on_mesh(pg, args, dense: nn.Sequential, tracer: Tracer = None) -> dict
 
     x_train, y_train = map(torch.from_numpy, load_mnist(args.data_dir, "train"))
     opt = torch.optim.SGD(replica.module.parameters(), lr=args.lr, momentum=0.9)
-    sampler = ShardSampler(len(x_train), replicated.rank, replicated.size, seed=args.seed)
+    data = averaging["data"]
+    sampler = ShardSampler(len(x_train), data.rank, data.size, seed=args.seed)
     # The epoch's mean loss, from the ranks that compute it once per replica.
-    reports_loss = replica.last and mesh.local_rank("tp") == 0
+    reports_loss = replica.last and mesh.local_rank("tp") == 0 and mesh.local_rank("cp") == 0
     for group in [g for gs in counters.values() for g in gs]:
         group.start()                  # the account: training steps only, no set-up
     losses, step_losses = [], []

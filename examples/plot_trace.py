@@ -20,10 +20,13 @@ import argparse
 import json
 import os
 
-COLOURS = {"dp": "tab:blue", "tp": "tab:orange", "pp": "tab:green", None: "tab:grey"}
+COLOURS = {"dp": "tab:blue", "tp": "tab:orange", "pp": "tab:green", "cp": "tab:red",
+           None: "tab:grey"}
 PHASES = {"forward": "#d0d0d0", "backward": "#a8a8a8", "step": "#707070"}
 #: A pipeline's compute actions (``cat == "pp"`` slices, named like "1F0"): by kind.
 ACTIONS = {"F": "#d0d0d0", "B": "#a8a8a8", "W": "#888888"}
+#: Context parallelism's computation (``cat == "cp"`` slices, "ring forward step 0"...).
+CP_STEPS = {"forward": "#9ecae1", "backward": "#4292c6"}
 
 
 def phase_colour(event: dict):
@@ -33,6 +36,8 @@ def phase_colour(event: dict):
     if event.get("cat") == "pp":
         kind = next((c for c in event["name"] if c in ACTIONS), None)
         return ACTIONS.get(kind)
+    if event.get("cat") == "cp":
+        return next((c for kind, c in CP_STEPS.items() if kind in event["name"]), None)
     return PHASES.get(event["name"])
 
 
@@ -79,10 +84,13 @@ def main(argv=None) -> None:
         if colour is not None and t0 <= e["ts"] < t1:
             ax.broken_barh([((e["ts"] - t0) / 1e3, e["dur"] / 1e3)], (e["pid"] - 0.4, 0.35),
                            color=colour, edgecolor="white", linewidth=0.5)
-            if e.get("cat") == "pp" and args.steps <= 2:
-                ax.text((e["ts"] - t0 + e["dur"] / 2) / 1e3, e["pid"] - 0.22, e["name"],
+            if e.get("cat") in ("pp", "cp") and args.steps <= 2:
+                label = e["name"] if e["cat"] == "pp" else e["name"].rsplit(" ", 1)[-1]
+                ax.text((e["ts"] - t0 + e["dur"] / 2) / 1e3, e["pid"] - 0.22, label,
                         ha="center", va="center", fontsize=6)
-    lanes = {"dp": 0.0, "tp": 0.2, "pp": 0.4}   # one lane per dimension: overlaps stay visible
+    # One lane per dimension, so overlaps stay visible (cp shares pp's: a ring's
+    # transfers are drawn from post to wait; the mesh seldom pictures both).
+    lanes = {"dp": 0.0, "tp": 0.2, "pp": 0.4, "cp": 0.4}
     comm = comm_slices(events)
     for rank, name, dim, start, end in comm:
         if t0 <= start < t1 and dim != "pp":
@@ -101,9 +109,12 @@ def main(argv=None) -> None:
     ax.set_xlabel("ms from the start of the first step drawn")
     ax.set_title(f"{os.path.basename(args.trace)}: steps {args.step}-{args.step + args.steps - 1}")
     handles = [Patch(color=c, label=n) for n, c in PHASES.items()]
-    dims = [d for d in ("dp", "tp", "pp") if any(dim == d for _, _, dim, _, _ in comm)]
-    handles += [Patch(color=COLOURS[d], label=("pp send/recv, blocked" if d == "pp" else
-                                               f"{d} collectives")) for d in dims]
+    if any(e.get("cat") == "cp" for e in events):
+        handles += [Patch(color=c, label=f"ring {n} step") for n, c in CP_STEPS.items()]
+    dims = [d for d in ("dp", "tp", "pp", "cp") if any(dim == d for _, _, dim, _, _ in comm)]
+    labels = {"pp": "pp send/recv, blocked", "cp": "cp isend/irecv, post to wait"}
+    handles += [Patch(color=COLOURS[d], label=labels.get(d, f"{d} collectives"))
+                for d in dims]
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -1.2 / len(ranks)),
               ncol=6)
     fig.tight_layout()

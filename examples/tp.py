@@ -35,12 +35,11 @@ if __name__ == "__main__":   # parse first: a bad flag is refused before torch l
     ARGS = parse_args("tp", epochs=3, batch_size=32, lr=0.05, description=__doc__)
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import BatchSampler  # noqa: E402
 
 import collectives  # noqa: E402
-from examples.common.harness import build_mlp, progress  # noqa: E402
+from examples.common.harness import build_mlp, progress, traced_step  # noqa: E402
 from examples.common.mnist import load_mnist  # noqa: E402
 from examples.common.trace import Tracer  # noqa: E402
 from parallel import ShardSampler  # noqa: E402
@@ -78,13 +77,7 @@ def train(model: nn.Module, args, rank: int = 0, tracer: Tracer = None) -> list:
         loss_sum = torch.zeros((), dtype=torch.float64)
         batches = BatchSampler(sampler, args.batch_size, drop_last=False)
         for idx in progress(batches, rank, desc=f"epoch {epoch + 1}/{args.epochs}"):
-            with tracer.span("forward"):
-                loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
-            opt.zero_grad()
-            with tracer.span("backward"):
-                loss.backward()
-            with tracer.span("step"):
-                opt.step()
+            loss = traced_step(model, opt, x_train[idx], y_train[idx], tracer)
             loss_sum += loss.item() * len(idx)
         losses.append(loss_sum.item() / len(sampler))
         if rank == 0:

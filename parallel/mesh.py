@@ -99,6 +99,7 @@ class DeviceMesh:
         self._ranks: dict = {}
         self._groups: dict = {}
         self._flat: dict = {}          # flatten(): dimension names -> (ranks, group)
+        self._named: dict = {}         # flatten(name=...): name -> dimension names
         # One sub-group per dimension, dimensions in order (see the module's docstring).
         for dim, name in enumerate(self.names):
             mine = next(g for g in mesh_groups(self.shape, dim) if group.rank in g)
@@ -107,12 +108,16 @@ class DeviceMesh:
 
     def _dim(self, name: Any, op: str, error: type = ValueError) -> str:
         if not isinstance(name, str) or name not in self._groups:
+            named = f" (flattened: {sorted(self._named)})" if self._named else ""
             raise error(f"[rank {self.rank}/{self.parent.size}] DeviceMesh.{op}: no "
-                        f"dimension {name!r}; the mesh's names are {self.names}")
+                        f"dimension {name!r}; the mesh's names are {self.names}{named}")
         return name
 
     def __getitem__(self, name: str) -> Any:
-        """This rank's sub-group along dimension ``name``."""
+        """This rank's sub-group along dimension ``name``, or the group of a flattening
+        named ``name`` (:meth:`flatten`)."""
+        if isinstance(name, str) and name in self._named:
+            return self.flatten(self._named[name])
         return self._groups[self._dim(name, "__getitem__", KeyError)]
 
     def group(self, name: str) -> Any:
@@ -133,35 +138,46 @@ class DeviceMesh:
         """The ranks (of the parent group) in this rank's sub-group along ``name``."""
         return self._ranks[self._dim(name, "ranks")]
 
-    def flatten(self, names: Sequence[str]) -> Any:
+    def flatten(self, dims: Sequence[str], name: Optional[str] = None) -> Any:
         """This rank's sub-group over several dimensions at once: the ranks whose
-        coordinates equal its own outside ``names``, in increasing order. Expert
+        coordinates equal its own outside ``dims``, in increasing order. Expert
         parallelism's replicated parameters are averaged over ``("dp", "ep")``: every rank
         there trains on its own batch. A collective: every rank calls it with the same
-        ``names`` in the same order relative to its other ``new_group`` calls (each rank
+        ``dims`` in the same order relative to its other ``new_group`` calls (each rank
         is in exactly one such group, so the module's argument holds); the group is made
-        once and kept (one name: that dimension's group; every name: the parent group).
+        once and kept (one dimension: that dimension's group; every one: the parent
+        group). With ``name``, ``mesh[name]`` finds the group afterwards (a name may not
+        be a dimension's, nor name two different flattenings).
 
         Four ranks as ``(2, 2)`` named ``("dp", "ep")``: ``mesh.flatten(("dp", "ep"))`` is
         the group of all four; on a ``(2, 1, 2)`` mesh ``("dp", "tp", "ep")`` too.
+        ``mesh.flatten(("dp", "cp"), name="dp_cp")`` then ``mesh["dp_cp"]``.
         """
-        if isinstance(names, str) or not hasattr(names, "__iter__"):
-            raise TypeError(f"[rank {self.rank}/{self.parent.size}] DeviceMesh.flatten: "
-                            f"argument `names` must be a sequence of dimension names, got "
-                            f"{names!r}")
-        key = tuple(self._dim(n, "flatten") for n in names)
+        where = f"[rank {self.rank}/{self.parent.size}] DeviceMesh.flatten"
+        if isinstance(dims, str) or not hasattr(dims, "__iter__"):
+            raise TypeError(f"{where}: argument `dims` must be a sequence of dimension "
+                            f"names, got {dims!r}")
+        key = tuple(self._dim(n, "flatten") for n in dims)
         if not key or len(set(key)) != len(key):
-            raise ValueError(f"[rank {self.rank}/{self.parent.size}] DeviceMesh.flatten: "
-                             f"argument `names` must name distinct dimensions, got {key}")
+            raise ValueError(f"{where}: argument `dims` must name distinct dimensions, got "
+                             f"{key}")
         key = tuple(n for n in self.names if n in key)   # mesh order, whatever was asked
+        if name is not None:
+            if not isinstance(name, str) or not name or name in self.names or \
+                    self._named.get(name, key) != key:
+                raise ValueError(f"{where}: argument `name` must be a new non-empty string "
+                                 f"(not a dimension's, not another flattening's), got "
+                                 f"{name!r}; dimensions {self.names}, flattenings "
+                                 f"{self._named}")
+            self._named[name] = key
         if len(key) == 1:
             return self._groups[key[0]]
         if len(key) == len(self.names):
             return self.parent
         if key not in self._flat:
-            dims = [self.names.index(n) for n in key]
+            dims_at = [self.names.index(n) for n in key]
             ranks = np.arange(self.parent.size).reshape(self.shape)
-            mine = ranks[tuple(slice(None) if d in dims else c
+            mine = ranks[tuple(slice(None) if d in dims_at else c
                                for d, c in enumerate(self.coordinate))]
             self._flat[key] = (tuple(int(r) for r in mine.reshape(-1)),
                                self.parent.new_group([int(r) for r in mine.reshape(-1)]))

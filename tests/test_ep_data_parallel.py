@@ -163,13 +163,34 @@ def test_flatten_groups():
             mesh.flatten(("dp", "cp"))
         with pytest.raises(ValueError, match="distinct"):
             mesh.flatten(("dp", "dp"))
-        with pytest.raises(TypeError, match="DeviceMesh.flatten: argument `names`"):
+        with pytest.raises(TypeError, match="DeviceMesh.flatten: argument `dims`"):
             mesh.flatten("dp")
         mesh.close()
         return out
 
     for rank, out in enumerate(run_threads(body, 4)):
         assert out == (4, rank, 2, True, True)
+
+
+def test_flatten_by_name():
+    """``flatten(dims, name=...)``: ``mesh[name]`` is the same (cached) group; a name may
+    not shadow a dimension nor name two flattenings."""
+    def body(pg):
+        mesh = DeviceMesh(pg, (2, 2, 2), ("dp", "cp", "tp"))
+        dp_cp = mesh.flatten(("cp", "dp"), name="dp_cp")
+        out = (dp_cp.size, mesh["dp_cp"] is dp_cp, mesh.flatten(("dp", "cp")) is dp_cp,
+               mesh.flatten(("dp", "cp"), name="dp_cp") is dp_cp,
+               mesh.flatten(("tp",), name="model") is mesh["tp"], mesh["model"] is mesh["tp"])
+        for name in ("tp", "dp_cp", ""):
+            with pytest.raises(ValueError, match="argument `name`"):
+                mesh.flatten(("dp", "tp") if name == "dp_cp" else ("dp",), name=name)
+        with pytest.raises(KeyError, match="flattened: \\['dp_cp', 'model'\\]"):
+            mesh["nope"]
+        mesh.close()
+        return out
+
+    for out in run_threads(body, 8):
+        assert out == (4, True, True, True, True, True)
 
 
 def test_bad_input():

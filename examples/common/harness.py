@@ -1,5 +1,5 @@
-"""What the examples (ddp, fsdp, tp, pp, mesh, moe) share beyond the command line: the
-model, the progress bar and the test accuracy. The command line, the launch and the
+"""What the examples (ddp, fsdp, tp, pp, mesh, cp, moe) share beyond the command line: the
+model, the traced training step, the progress bar and the test accuracy. The command line, the launch and the
 closing JSON line are in ``examples.common.cli`` (no torch there: the examples parse
 their arguments before importing torch); they are re-exported here.
 """
@@ -16,7 +16,21 @@ from torch import nn
 from examples.common.cli import SUMMARY_KEYS, launch, parse_args, print_summary
 
 __all__ = ["SUMMARY_KEYS", "build_mlp", "launch", "parse_args", "print_summary", "progress",
-           "sharded_accuracy"]
+           "sharded_accuracy", "traced_step"]
+
+
+def traced_step(model: nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor,
+                tracer: Any) -> torch.Tensor:
+    """One optimizer step on the cross-entropy of ``model(x)`` against ``y``, its forward,
+    backward and step each a span of ``tracer`` (examples/common/trace.py); the loss."""
+    with tracer.span("forward"):
+        loss = nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad()
+    with tracer.span("backward"):
+        loss.backward()
+    with tracer.span("step"):
+        opt.step()
+    return loss
 
 
 def build_mlp(seed: int) -> nn.Module:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from parallel.cp import ContextParallelAttention, shard_sequence, unshard_sequence
 from parallel.ep import MoE
 from parallel.tp import ParallelTransformerBlock, TransformerBlock
 
@@ -110,6 +111,69 @@ def tensor_parallel(dense: nn.Sequential, tp_group: Any) -> nn.Sequential:
             return BlockWithExperts(split(p.block), copy.deepcopy(p.experts))
         return copy.deepcopy(p)
     return nn.Sequential(*(split(p) for p in dense))
+
+
+class ShardedEmbedding(nn.Module):
+    """The embedding, then this rank's part of the rows over the cp group (no
+    communication; each rank embeds the whole image, a few hundred multiply-adds)."""
+
+    def __init__(self, embed: nn.Module, cp_group: Any, layout: str) -> None:
+        super().__init__()
+        self.embed, self.cp_group, self.layout = embed, cp_group, layout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return shard_sequence(self.embed(x), self.cp_group, 1, self.layout)
+
+
+class GatheredHead(nn.Module):
+    """The rows of every cp rank gathered (``unshard_sequence``: all_gather; its backward
+    a reduce_scatter), then the head."""
+
+    def __init__(self, head: nn.Module, cp_group: Any, layout: str) -> None:
+        super().__init__()
+        self.head, self.cp_group, self.layout = head, cp_group, layout
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(unshard_sequence(h, self.cp_group, 1, self.layout))
+
+
+def context_parallel(model: nn.Sequential, cp_group: Any, layout: str,
+                     algorithm: str) -> nn.Sequential:
+    """``model`` (split over tp, in place) with its rows split over ``cp_group``: the
+    embedding keeps this rank's rows, every block's attention is
+    :class:`~parallel.cp.ContextParallelAttention`, the head gathers the rows first. Each
+    cp rank's loss is the whole batch's, so every gradient comes out ``cp`` times the
+    one-process gradient (the gathered rows' backward sums the ranks' parts): averaging
+    over the cp ranks, with the dp ranks, gives the one-process gradient."""
+    if cp_group.size == 1:
+        return model
+    for m in model.modules():
+        if isinstance(m, ParallelTransformerBlock):
+            m.attention = ContextParallelAttention(cp_group, algorithm=algorithm,
+                                                   layout=layout)
+    model[0] = ShardedEmbedding(model[0], cp_group, layout)
+    model[-1] = GatheredHead(model[-1], cp_group, layout)
+    return model
+
+
+def averaging_groups(mesh: Any) -> dict:
+    """The groups a mesh run's gradients are averaged over, by what they hold:
+
+    - ``data``: the ranks that train on batches of their own (dp x ep): the sampler's
+      shards;
+    - ``replicated``: the ranks holding the same replicated (non-expert) parameters with
+      gradients to average (dp x ep x cp: the cp ranks hold parts of one sample's rows);
+    - ``experts``: the ranks holding the same experts (dp x cp).
+
+    A collective (``mesh.flatten`` makes each group once, in this order on every rank).
+    Dimensions of length 1 are left out (dp is always in): with ep and cp of 1 each is the
+    dp group itself, no group is made.
+    """
+    def over(dims: tuple, name: str) -> Any:
+        return mesh.flatten([d for d in dims if d == "dp" or mesh.size(d) > 1], name=name)
+    return {"data": over(("dp", "ep"), "data"),
+            "replicated": over(("dp", "ep", "cp"), "replicated"),
+            "experts": over(("dp", "cp"), "experts")}
 
 
 def expert_parallel(model: nn.Module, ep_group: Any) -> nn.Module:
@@ -201,14 +265,29 @@ def predicted_bytes(args: Any, coordinate: dict, steps: int, ep_bytes: float = 0
       step.
     - ep: what the MoE layers report for each training forward (:func:`moe_traffic`),
       summed into ``ep_bytes`` by the caller: it depends on the routing.
+    - cp: each rank holds 28/cp rows, so tp's and pp's activations shrink by cp; the
+      replicated part is averaged over dp x ep x cp, the experts over dp x cp. Each block's
+      attention moves stack(k, v) of its rows and heads, (2, batch, heads/tp, 28/cp,
+      head_dim): the ring 2(cp-1) hops forward (a send and a receive each), 2(cp-1) hops
+      of it and 2cp of its gradient backward; all_gather, one gather of cp of them
+      forward, and a gather and a reduce_scatter of as many backward. The last stage
+      gathers the rows (all_gather of (batch, 28, hidden)) and reduce-scatters their
+      gradient.
     """
     dp, pp, tp = args.dp, args.pp, args.tp
-    replicas = dp * getattr(args, "ep", 1)             # ranks averaging the replicated part
+    cp = getattr(args, "cp", 1)
+    replicas = dp * getattr(args, "ep", 1) * cp        # ranks averaging the replicated part
     stage, M = coordinate["pp"], args.microbatches if pp > 1 else 1
     counts, first, last = local_param_counts(args, tp), stage == 0, stage == pp - 1
     blocks = blocks_of_stage(args.layers, pp, stage)
-    activations = args.batch_size * ROWS * args.hidden * FLOAT32
-    out = {"dp": 0.0, "ep": ep_bytes / steps, "pp": 0.0, "tp": 0.0}
+    activations = args.batch_size * (ROWS // cp) * args.hidden * FLOAT32
+    out = {"dp": 0.0, "ep": ep_bytes / steps, "pp": 0.0, "cp": 0.0, "tp": 0.0}
+    if cp > 1:
+        kv = 2 * args.batch_size * (ROWS // cp) * (args.hidden // tp) * FLOAT32
+        per_block = ((4 * (cp - 1) + 2 * cp) * kv if args.cp_algorithm == "ring"
+                     else 3 * cp * kv)
+        gathered = 2 * args.batch_size * ROWS * args.hidden * FLOAT32 if last else 0
+        out["cp"] = float(blocks * per_block + gathered)
     if tp > 1:
         out["tp"] = float(4 * blocks * activations)
     if pp > 1:
@@ -229,6 +308,6 @@ def predicted_bytes(args: Any, coordinate: dict, steps: int, ep_bytes: float = 0
             gathered = M * (root + 2 * blocks * block)
             reduced = root + blocks * block
             out["dp"] = float((gathered + reduced) * FLOAT32)
-    if dp > 1 and blocks:
+    if dp * cp > 1 and blocks and counts["experts"][0]:
         out["dp"] += float(blocks * counts["experts"][0] * FLOAT32)
     return out

@@ -27,7 +27,7 @@ activations and must draw the same mask on every rank (seed the ranks alike).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -41,11 +41,15 @@ __all__ = ["ParallelTransformerBlock", "TransformerBlock"]
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int,
-               causal: bool) -> torch.Tensor:
-    """(b, s, heads*d) x3 -> (b, s, heads*d): scaled dot-product attention per head."""
+               causal: bool, attention: Optional[Callable] = None) -> torch.Tensor:
+    """(b, s, heads*d) x3 -> (b, s, heads*d): scaled dot-product attention per head, by
+    ``attention(q, k, v, causal=...)`` on (b, H, s, d) when given (context parallelism)."""
     b, s, _ = q.shape
     q, k, v = (t.reshape(b, s, heads, -1).transpose(1, 2) for t in (q, k, v))  # (b, H, s, d)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)           # (b, H, s, d)
+    if attention is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)       # (b, H, s, d)
+    else:
+        out = attention(q, k, v, causal=causal)                               # (b, H, s, d)
     return out.transpose(1, 2).reshape(b, s, -1)                               # (b, s, H*d)
 
 
@@ -106,7 +110,7 @@ class ParallelTransformerBlock(nn.Module):
     def __init__(self, hidden: int, num_heads: int, group: Any,
                  ffn_hidden: Optional[int] = None, *, causal: bool = True,
                  dropout: float = 0.0, sequence_parallel: bool = False,
-                 seed: Optional[int] = None) -> None:
+                 seed: Optional[int] = None, attention: Optional[nn.Module] = None) -> None:
         check_group(group, "ParallelTransformerBlock")
         if seed is None:
             mine = int(torch.randint(0, 2**62, ())) if group.rank == 0 else None
@@ -122,11 +126,12 @@ class ParallelTransformerBlock(nn.Module):
                 m.weight.copy_(weight)
                 m.bias.copy_(bias)
         super().__init__()
-        self._build(dense, group, sequence_parallel)
+        self._build(dense, group, sequence_parallel, attention)
 
     @classmethod
     def from_dense(cls, block: TransformerBlock, group: Any, *,
-                   sequence_parallel: bool = False) -> "ParallelTransformerBlock":
+                   sequence_parallel: bool = False,
+                   attention: Optional[nn.Module] = None) -> "ParallelTransformerBlock":
         """This rank's part of ``block`` (the same on every rank; copied)."""
         if not isinstance(block, TransformerBlock):
             raise TypeError(f"ParallelTransformerBlock.from_dense: argument `block` must "
@@ -134,11 +139,13 @@ class ParallelTransformerBlock(nn.Module):
         check_group(group, "ParallelTransformerBlock")
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer._build(block, group, sequence_parallel)
+        layer._build(block, group, sequence_parallel, attention)
         return layer
 
-    def _build(self, dense: TransformerBlock, group: Any, sequence_parallel: bool) -> None:
+    def _build(self, dense: TransformerBlock, group: Any, sequence_parallel: bool,
+               attention: Optional[nn.Module] = None) -> None:
         self.group, self.sequence_parallel = group, bool(sequence_parallel)
+        self.attention = attention
         self.num_heads, self.causal = dense.num_heads, dense.causal
         self.hidden, self.ffn_hidden = dense.q.in_features, dense.fc1.out_features
         self.local_heads = block_size(dense.num_heads, group, "ParallelTransformerBlock",
@@ -185,7 +192,8 @@ class ParallelTransformerBlock(nn.Module):
         h = self._enter(F.layer_norm(x, norm, ln1_w, ln1_b, self.ln1.eps))   # (b, s, h)
         q, k, v = (F.linear(h, m.weight, m.bias)    # (b, s, h) @ (h, h/n) -> (b, s, h/n)
                    for m in (self.q, self.k, self.v))
-        a = _attention(q, k, v, self.local_heads, self.causal)   # (b, s, h/n): my heads
+        a = _attention(q, k, v, self.local_heads, self.causal,   # (b, s, h/n): my heads
+                       self.attention)
         a = F.linear(a, self.proj.weight)           # (b, s, h/n) @ (h/n, h) -> (b, s, h)
         x = x + self.dropout(self._leave(a, proj_b))
 
