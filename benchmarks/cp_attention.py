@@ -30,6 +30,26 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", default="1024,2048,4096,8192,16384")
+    p.add_argument("--nproc", default="2,4", help="comma list of C (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=32)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--backend", default="shm")
+    p.add_argument("--no-torch", action="store_true",
+                   help="leave out PyTorch's context_parallel")
+    p.add_argument("--json", default=None, help="write the rows to this file")
+    return p
+
+
+if __name__ == "__main__":   # parse first: a bad flag is refused before torch loads
+    ARGS = _parser().parse_args()
+
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -173,20 +193,7 @@ def table(rows: list) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", default="1024,2048,4096,8192,16384")
-    p.add_argument("--nproc", default="2,4", help="comma list of C (default: %(default)s)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--backend", default="shm")
-    p.add_argument("--no-torch", action="store_true",
-                   help="leave out PyTorch's context_parallel")
-    p.add_argument("--json", default=None, help="write the rows to this file")
-    args = p.parse_args(argv)
+def main(args) -> None:
     config = {"lengths": [int(x) for x in args.lengths.split(",")], "batch": args.batch,
               "heads": args.heads, "head_dim": args.head_dim, "reps": args.reps}
     torch.set_num_threads(1)
@@ -219,4 +226,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -504,13 +504,16 @@ def test_fast_path_takes_the_two_array_collectives_and_leaves_bad_pairs_to_the_g
         ("scatter", [4], "float64", 0, "ok"), ("reduce_scatter", [6], "float32", -1, "ok"),
         ("reduce", [2, 3], "float32", 0, "ok"), ("all_to_all", None, "int16", -1, "ok")]
     pg.all_to_all(np.empty(4, np.int16), np.ones(4, np.int16), input_split_sizes=[4],
-                  output_split_sizes=[4])   # (split sizes: the general path)
-    assert general == ["all_to_all"] and hooked[-1] == ("all_to_all", [4], [4], 6)
+                  output_split_sizes=[4])   # (split sizes of plain ints: the fast path too)
+    assert general == [] and hooked[-1] == ("all_to_all", [4], [4], 6)
+    pg.all_to_all(np.empty(4, np.int16), np.ones(4, np.int16), input_split_sizes=[np.int64(4)],
+                  output_split_sizes=[4])   # (a numpy split size: the general path)
+    assert general == ["all_to_all"] and hooked[-1] == ("all_to_all", [4], [4], 7)
     read_only = np.ones(2, np.float32)
     read_only.flags.writeable = False
     pg.all_gather(np.empty(2, np.float32), read_only)     # (an input may be read-only)
     pg.gather(np.ones(2), np.empty(2), dst=np.int64(0))   # (a numpy root)
-    assert general == ["all_to_all", "all_gather", "gather"] and len(hooked) == 9
+    assert general == ["all_to_all", "all_gather", "gather"] and len(hooked) == 10
     general.clear()
     with pytest.raises(ValueError, match=r"scatter: argument `input` must be given"):
         pg.scatter(np.empty(2), None, src=0)
@@ -524,7 +527,7 @@ def test_fast_path_takes_the_two_array_collectives_and_leaves_bad_pairs_to_the_g
         pg.gather(np.ones(2), None, dst=0)
     with pytest.raises(TypeError, match=r"all_to_all: .*dtype"):
         pg.all_to_all(np.empty(2, np.float64), np.ones(2, np.float32))
-    assert len(hooked) == 9   # (the general path's checks raised before any hook)
+    assert len(hooked) == 10  # (the general path's checks raised before any hook)
     pg.close()
     with pytest.raises(CollectiveError, match=r"all_gather: the group is closed"):
         pg.all_gather(np.empty(2), np.ones(2))
