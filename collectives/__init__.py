@@ -19,14 +19,14 @@ from .reduce_op import ReduceOp
 from .registry import available_backends, get_backend, register_backend
 from .spawn import SpawnError, spawn
 from .work import Work
-from .world import init_process_group
+from .world import init_process_group, join_group
 
 __all__ = [
     "Backend", "Capabilities", "CollectiveError", "CollectiveMismatch", "CollectiveTimeout",
     "GroupAborted", "PeerError", "PersistentRequest", "ProcessGroup", "ReduceOp",
     "Rendezvous", "SpawnError", "Work", "available_backends", "detect_rendezvous",
-    "get_backend", "init_process_group", "new_group", "register_backend", "spawn",
-    "__version__",
+    "get_backend", "init_process_group", "join_group", "new_group", "register_backend",
+    "spawn", "__version__",
 ]
 
 # The library never prints: its loggers stay silent unless COLLECTIVES_LOG_LEVEL or the

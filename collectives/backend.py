@@ -125,6 +125,15 @@ Capabilities (declared in ``capabilities``, one place, never found out by ``hasa
     ``translates_errors``: ``translate(exc, op, seq, peer=-1) -> BaseException`` turns a
     transport library's exception raised by a method into this library's typed error.
 
+    ``regroups``: the backend's registered factory connects a *re-formed* group: given a
+    :class:`~collectives.launch.Rendezvous` whose ``generation`` is k > 0 (new rank, new
+    size, and, for a network backend, the port of that generation), it meets only the
+    processes of generation k, never those still in an older group of the same job. On
+    it rest ``ProcessGroup.shrink`` (the survivors of a dead rank, without restarting
+    them) and ``grow``/``collectives.join_group`` (survivors and fresh processes); see
+    :mod:`collectives.regroup`. ``regroup_refusal()`` says why a backend without it
+    cannot (MPI names ULFM).
+
 A backend of two ranks, the smallest complete one (see ``tests/test_backend_contract.py``
 for one that passes the whole conformance sweep)::
 
@@ -160,7 +169,7 @@ class Capabilities:
     """What a backend does beyond the required methods (see :mod:`collectives.backend`).
 
     ``memory``: ``"host"``, ``"tensors"`` or ``"device"``; ``returns_work``,
-    ``persistent``, ``symmetric_memory``, ``translates_errors``: booleans.
+    ``persistent``, ``symmetric_memory``, ``translates_errors``, ``regroups``: booleans.
 
     >>> Capabilities(persistent=True).memory
     'host'
@@ -171,6 +180,7 @@ class Capabilities:
     persistent: bool = False
     symmetric_memory: bool = False
     translates_errors: bool = False
+    regroups: bool = False
 
     def __post_init__(self) -> None:
         if self.memory not in ("host", "tensors", "device"):
@@ -326,6 +336,14 @@ class Backend(abc.ABC):
         :mod:`collectives.symmetric`)."""
         raise NotImplementedError(f"{type(self).__name__} declares symmetric_memory but "
                                   f"has no alloc_symmetric()")
+
+    def regroup_refusal(self) -> Optional[str]:
+        """Why this backend cannot re-form a group (shrink, grow, join), or None when its
+        ``capabilities.regroups`` says it can."""
+        if self.capabilities.regroups:
+            return None
+        return (f"the {self.name} backend cannot re-form a group without restarting its "
+                f"processes (its factory does not declare Capabilities.regroups)")
 
     def translate(self, exc: BaseException, op: str, seq: int,
                   peer: int = -1) -> BaseException:

@@ -27,13 +27,14 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from . import flight, logs, objects, persistent, running, settings, symmetric
+from . import flight, logs, objects, persistent, regroup, running, settings, symmetric
 from .backend import Backend
 from .buffers import HostBuffer, host_dtype, to_host
 from .errors import GroupAborted
 from .errors import where as where_text
 from .fast_path import HostViews, fast_collective, fast_all_to_all, fast_p2p, \
     fast_pair, fast_rooted
+from .launch import Rendezvous
 from .reduce_op import ReduceOp, check_reducible
 from .subgroup import SubGroup
 from .thresholds import SizeThreshold
@@ -105,6 +106,13 @@ class ProcessGroup:
         self._fast = not self._debug and not caps.returns_work and caps.memory == "host"
         if _log.isEnabledFor(logging.DEBUG):   # (the path table costs a few calls)
             _log.debug("new group: %s", self.describe())
+        #: The rendezvous of the job's world (set by ``init_process_group``, kept by
+        #: re-forming and ``join_group``; None for a group made from a Backend by hand):
+        #: what ``shrink``, ``grow`` and ``reform`` meet again from (every generation's
+        #: port and segment are derived from it, so all members derive the same).
+        self.origin: Optional[Rendezvous] = None
+        #: 0 for a launcher's world, k for a group re-formed as generation k.
+        self.generation: int = 0
 
     @property
     def timeout(self) -> float:
@@ -461,6 +469,76 @@ class ProcessGroup:
                 + (f"#{instance}" if instance else ""))
         group = ProcessGroup(backend, name=name)
         self._children.add(group)
+        return group
+
+    # ------------------------------------------------------------- re-forming groups
+    def shrink(self, exclude: Sequence[int], *, port: Optional[int] = None) -> "ProcessGroup":
+        """The group of this group's ranks except ``exclude`` (dead or stopped ones),
+        renumbered in order, made without restarting anyone; this group is aborted.
+        Every survivor calls it with the same ``exclude``; it meets under generation
+        ``self.generation + 1`` (``port``: where a network backend meets; default the
+        world's port plus the generation). See :mod:`collectives.regroup`.
+
+        Three ranks, rank 1 SIGKILLed: ranks 0 and 2 call ``small = pg.shrink([1])`` ->
+        rank 2 is ``small.rank == 1`` of ``small.size == 2``; ``small.all_reduce(t)``.
+        On ``mpi``: ``NotImplementedError`` naming ULFM.
+        """
+        w = self._where("shrink")
+        rank, size = regroup.shrunk_ranks(self.rank, self.size, exclude, w)
+        return self.reform(rank, size, self.generation + 1, port=port)
+
+    def grow(self, world_size: int, *, port: Optional[int] = None) -> "ProcessGroup":
+        """A group of ``world_size`` ranks: this group's members keep their ranks, new
+        processes take ranks ``self.size .. world_size-1`` by calling
+        ``collectives.join_group(rank=r, world_size=world_size,
+        generation=pg.generation + 1)``; this group is aborted.
+
+        Two survivors and one new process: both survivors call ``big = pg.grow(3)``;
+        the new one ``big = collectives.join_group(rank=2, world_size=3,
+        generation=1)``; then ``big.all_reduce(t)`` on all three.
+        """
+        w = self._where("grow")
+        if isinstance(world_size, bool) or not isinstance(world_size, int) \
+                or world_size < self.size:
+            raise ValueError(f"{w}: argument `world_size` must be an int >= this group's "
+                             f"size {self.size}, got {world_size!r}")
+        return self.reform(self.rank, world_size, self.generation + 1, port=port)
+
+    def reform(self, rank: int, size: int, generation: int, *,
+               port: Optional[int] = None) -> "ProcessGroup":
+        """Abort this group and meet again as rank ``rank`` of ``size`` in ``generation``
+        (greater than this group's; the same on every member, new processes joining with
+        ``collectives.join_group``). What ``shrink`` and ``grow`` call; ``parallel.ft``
+        calls it with the quorum its coordinator decided. Every wait is bounded by this
+        group's timeout. Call it once every member has returned from its last
+        collective on this group (an agreement outside the group, as parallel.ft's
+        coordinator gives): the abort fails a peer's call still in flight.
+
+        Two ranks that lost a third: rank 0 calls ``pg.reform(0, 2, 1)``, rank 2
+        ``pg.reform(1, 2, 1)``.
+        """
+        w = self._where("reform")
+        refusal = self.transport.regroup_refusal()
+        if refusal is not None:
+            raise NotImplementedError(f"{w}: {refusal}")
+        if self.origin is None:
+            raise ValueError(f"{w}: this group was made from a Backend by hand, not by "
+                             f"init_process_group or join_group: no rendezvous to meet again "
+                             f"from")
+        if isinstance(generation, bool) or not isinstance(generation, int) \
+                or generation <= self.generation:
+            raise ValueError(f"{w}: argument `generation` must be an int greater than this "
+                             f"group's ({self.generation}), got {generation!r}")
+        try:
+            rendezvous = regroup.generation_rendezvous(self.origin, rank, size, generation,
+                                                       port)
+        except ValueError as exc:   # named by this rank and op, before anything is aborted
+            raise ValueError(f"{w}: {exc}") from None
+        timeout = self.timeout
+        self.abort(f"re-formed as generation {generation}")
+        made = regroup.connect(self.backend, rendezvous, timeout, w)
+        group = ProcessGroup(made, name=f"{self._flight_name.split('@')[0]}@{generation}")
+        group.origin, group.generation = self.origin, generation
         return group
 
     # --------------------------------------------------------------------- lifetime

@@ -34,6 +34,10 @@ class Rendezvous:
     job_id: Optional[str]
     #: ``"explicit"``, ``"spawn"``, ``"torchrun"``, ``"mpi"`` or ``"single"``.
     launcher: str
+    #: 0 for the world a launcher started; k > 0 for the k-th group re-formed from it
+    #: (:mod:`collectives.regroup`: a shrink, or survivors joined by new processes).
+    #: A backend that can re-form meets under a name or port of that generation only.
+    generation: int = 0
 
 
 def _int(env: Mapping[str, str], *names: str) -> Optional[int]:

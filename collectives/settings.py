@@ -146,6 +146,9 @@ JOB_ID = _s("JOB_ID", "str", None, "all",
             default_doc="from the launcher's variables")
 SPAWNED = _s("SPAWNED", "flag", False, "spawn",
              "set by collectives.spawn in its ranks (the launcher is then 'spawn')")
+FT_COORDINATOR = _s("FT_COORDINATOR", "str", None, "parallel.ft",
+                    "host:port of the fault-tolerance coordinator a parallel.ft.Manager "
+                    "asks for quorums and commits", default_doc="the Manager's argument")
 START_METHOD = _s("START_METHOD", "choice", None, "spawn",
                   "how collectives.spawn starts ranks: forked from a warm fork server, or "
                   "each a fresh interpreter", choices=("forkserver", "spawn"),

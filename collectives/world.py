@@ -17,10 +17,11 @@ from . import logs, settings
 from .backend import Backend
 from .group import ProcessGroup
 from .launch import default_backend, detect_rendezvous
+from .regroup import connect, generation_rendezvous
 from .registry import get_backend
 from .validation import timeout_seconds
 
-__all__ = ["DEFAULT_TIMEOUT", "init_process_group"]
+__all__ = ["DEFAULT_TIMEOUT", "init_process_group", "join_group"]
 
 #: Seconds a blocking wait lasts before ``CollectiveTimeout``, unless told otherwise
 #: (``init_process_group(timeout=...)`` or the ``COLLECTIVES_TIMEOUT`` variable).
@@ -71,4 +72,31 @@ def init_process_group(backend: Optional[str] = None, *, rank: Optional[int] = N
                         f"subclasses collectives.Backend; see collectives/backend.py)")
     _log.info("world of %d ranks ready on %s in %.3f s", rendezvous.world_size, name,
               time.monotonic() - start)
-    return ProcessGroup(made)
+    group = ProcessGroup(made)
+    group.origin = rendezvous
+    return group
+
+
+def join_group(backend: Optional[str] = None, *, rank: int, world_size: int,
+               generation: int, port: Optional[int] = None,
+               timeout: Union[float, datetime.timedelta, None] = None) -> ProcessGroup:
+    """Join survivors that call ``pg.grow(world_size)`` (or ``pg.reform``) as rank
+    ``rank`` of a group of ``world_size`` in ``generation``: a fresh process (a
+    replacement started by the launcher, with the job's environment) meets the group
+    re-formed under that generation (see :mod:`collectives.regroup`).
+
+    Two survivors of a world of three, and a replacement for the dead one::
+
+        big = pg.grow(3)                                   # on both survivors
+        big = collectives.join_group(rank=2, world_size=3, generation=1)   # the new one
+        big.all_reduce(t)                                  # all three
+    """
+    settings.check_environment()
+    seconds = timeout_seconds(timeout, settings.TIMEOUT.get(), where="join_group")
+    base = detect_rendezvous()
+    name = default_backend(base) if not backend else backend
+    rendezvous = generation_rendezvous(base, rank, world_size, generation, port)
+    made = connect(name, rendezvous, seconds, "join_group")
+    group = ProcessGroup(made, name=f"world@{generation}")
+    group.origin, group.generation = base, generation
+    return group

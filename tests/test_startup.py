@@ -166,7 +166,8 @@ def test_a_rank_forked_from_a_server_with_threads_refuses(monkeypatch):
         warm_start.rank_setup(dict(os.environ), "forkserver", ())
 
 
-@pytest.mark.parametrize("example", ["ddp", "fsdp", "tp", "pp", "moe", "mesh", "cp"])
+@pytest.mark.parametrize("example", ["ddp", "fsdp", "tp", "pp", "moe", "mesh", "cp",
+                                     "elastic"])
 def test_an_example_refuses_a_bad_backend_before_importing_torch(example):
     done = subprocess.run([sys.executable, "-X", "importtime", f"examples/{example}.py",
                            "--backend", "foo"], capture_output=True, text=True, timeout=60,

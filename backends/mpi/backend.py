@@ -172,6 +172,9 @@ class MpiBackend(Backend):
     # Work; persistent rounds are MPI-4's persistent collectives.
     capabilities = Capabilities(returns_work=True, persistent=True, translates_errors=True)
 
+    def regroup_refusal(self) -> str:
+        return REGROUP_REFUSAL
+
     def __init__(self, comm: Any, *, timeout: float, where: str) -> None:
         super().__init__(comm.Get_rank(), comm.Get_size(), timeout)
         self.comm = comm
@@ -462,9 +465,19 @@ def _displacements(counts: Sequence[int]) -> list[int]:
 # ----------------------------------------------------------------------------- factory
 _log = logs.get_logger("backend.mpi")
 
+#: Why the mpi backend cannot shrink, grow or join (collectives.regroup).
+REGROUP_REFUSAL = (
+    "the mpi backend cannot re-form a group (shrink, grow, join): after a process dies, "
+    "standard MPI leaves its communicators unusable; re-forming one needs the ULFM fault "
+    "tolerance extension (MPIX_Comm_revoke, MPIX_Comm_shrink), which this library does "
+    "not use; use shm, zmq or gloo for elastic jobs")
+
 
 def create(rendezvous: Rendezvous, timeout: float) -> MpiBackend:
     """The world group over ``MPI.COMM_WORLD`` (registry name ``mpi``)."""
+    if rendezvous.generation:
+        raise NotImplementedError(f"{_where(rendezvous.rank, rendezvous.world_size, 'join_group')}"
+                                  f": {REGROUP_REFUSAL}")
     mpi = load_mpi()
     world = mpi.COMM_WORLD
     where = _where(rendezvous.rank, rendezvous.world_size, "init_process_group(backend='mpi')")

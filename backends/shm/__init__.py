@@ -82,7 +82,10 @@ def create(rendezvous: Rendezvous, timeout: float) -> ShmBackend:
     # Placed first, so that the wait policy sees where the rank will run.
     place = placement.Placement(rendezvous.rank, size)
     try:
-        return ShmBackend.open(rendezvous.job_id, "world", rendezvous.rank, size, timeout,
+        # A re-formed group (collectives.regroup) meets in a segment of its generation,
+        # named under the same job so that the launcher's clean-up finds it too.
+        key = "world" if not rendezvous.generation else f"world.gen{rendezvous.generation}"
+        return ShmBackend.open(rendezvous.job_id, key, rendezvous.rank, size, timeout,
                                tuple(range(size)), place)
     except BaseException:
         place.release()

@@ -101,7 +101,7 @@ class ShmBackend(Backend):
     """Ranks of one host communicating through one POSIX shared-memory segment."""
 
     name = "shm"
-    capabilities = Capabilities(persistent=True, symmetric_memory=True)
+    capabilities = Capabilities(persistent=True, symmetric_memory=True, regroups=True)
 
     # ----------------------------------------------------------------- set-up
     @classmethod

@@ -117,7 +117,9 @@ class TorchBackend(Backend):
     name = "gloo"
     # Every collective method starts torch's asynchronous c10d call and returns its Work;
     # contiguous CPU tensors go to c10d as they are (``stage``).
-    capabilities = Capabilities(memory="tensors", returns_work=True, translates_errors=True)
+    # regroups: a re-formed group meets at its generation's port (meeting.world_store).
+    capabilities = Capabilities(memory="tensors", returns_work=True, translates_errors=True,
+                                regroups=True)
     #: Use c10d's ``_reduce_scatter_base``; False (or a build without it) runs
     #: all_reduce of a copy and keeps this rank's slice. False on gloo: its
     #: ``_reduce_scatter_base`` (and list ``reduce_scatter``) work ignores

@@ -13,7 +13,7 @@ import numpy as np
 
 from collectives import settings
 from collectives.algorithms.links import Links
-from collectives.backend import Backend
+from collectives.backend import Backend, Capabilities
 from collectives.paths import PathTable
 from collectives.reduce_op import ReduceOp
 from collectives.thresholds import SizeThreshold
@@ -71,6 +71,8 @@ class ZmqBackend(Backend):
     """
 
     name = "zmq"
+    # regroups: a re-formed group is a new Engine, meeting at its generation's port.
+    capabilities = Capabilities(regroups=True)
 
     def __init__(self, engine: Engine, members: tuple, gid: int, timeout: float) -> None:
         super().__init__(members.index(engine.rank), len(members), timeout)
