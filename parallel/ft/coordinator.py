@@ -7,7 +7,7 @@ The launcher is the one process of the job that is not a rank: it already has to
 survive every rank's death (it respawns replacements and prints the summary), so
 putting the coordinator there adds no process that could die on its own; TCP keeps it
 reachable from ranks on other hosts, and a job without such a launcher runs it alone
-with ``python -m parallel.ft.coordinator --port P --min-replicas N``. Its state is a
+with ``python -m parallel.ft --port P --min-replicas N``. Its state is a
 few ids and step numbers, so a restart of the launcher is a restart of the job.
 
 What it answers (one JSON line each way, :mod:`parallel.ft.wire`):
@@ -36,7 +36,6 @@ Two ranks and the launcher::
 
 from __future__ import annotations
 
-import argparse
 import socket
 import socketserver
 import threading
@@ -273,28 +272,3 @@ class Coordinator:
                                  "quorum_id": quorum_id, "step": step, "time": time.time()})
             self._cond.notify_all()
         return {"commit": vote.decision}
-
-
-def main(argv: Optional[list[str]] = None) -> None:
-    """``python -m parallel.ft.coordinator --port P``: a coordinator on its own."""
-    p = argparse.ArgumentParser(prog="python -m parallel.ft.coordinator",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=29400)
-    p.add_argument("--min-replicas", type=int, default=1)
-    p.add_argument("--first-quorum", type=int, default=None)
-    p.add_argument("--heartbeat-timeout", type=float, default=2.0)
-    args = p.parse_args(argv)
-    coordinator = Coordinator(min_replicas=args.min_replicas, first_quorum=args.first_quorum,
-                              heartbeat_timeout=args.heartbeat_timeout, host=args.host,
-                              port=args.port).start()
-    print(f"coordinator at {coordinator.address_text}", flush=True)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        coordinator.close()
-
-
-if __name__ == "__main__":
-    main()
