@@ -150,10 +150,12 @@ def init_torch_table(torch: Any) -> None:
 
 def torch_numpy_dtype(torch: Any, dtype: Any) -> Optional[np.dtype]:
     """The numpy dtype a torch tensor of ``dtype`` travels as, or None (unsupported)."""
-    init_torch_table(torch)
-    found = TORCH_TO_NUMPY.get(dtype)
-    if found is None and dtype is torch.bfloat16:
-        found = dtypes.bfloat16()   # completes TORCH_TO_NUMPY
+    found = TORCH_TO_NUMPY.get(dtype)   # (every call of the general path: one lookup)
+    if found is None:                   # the table's first use, or the first bfloat16
+        init_torch_table(torch)
+        found = TORCH_TO_NUMPY.get(dtype)
+        if found is None and dtype is torch.bfloat16:
+            found = dtypes.bfloat16()   # completes TORCH_TO_NUMPY
     return found
 
 
