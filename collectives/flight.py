@@ -29,7 +29,7 @@ import re
 import socket
 import tempfile
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from . import settings
 
@@ -41,6 +41,8 @@ FORMAT = 1
 # Field positions of a record (a list, for speed: one is made per call on the hot path).
 SEQ, OP, SHAPE, DTYPE, ROOT, REDUCE_OP, PEER, START, END, STATE = range(10)
 FIELDS = ("seq", "op", "shape", "dtype", "root", "reduce_op", "peer", "start", "end", "state")
+#: Where a traced group's record carries its trace hook (collectives.trace), past FIELDS.
+HOOK = len(FIELDS)
 
 
 def flight_dir() -> str:
@@ -71,6 +73,8 @@ class Recorder:
     """
 
     def __init__(self, capacity: int) -> None:
+        #: How many operations are kept.
+        self.capacity = capacity
         self._ring: collections.deque = collections.deque(maxlen=capacity)
         #: Add a finished record (a tuple in the order of FIELDS) as it is: the fast
         #: path's one step per call (collectives.fast_path).
@@ -90,24 +94,28 @@ class Recorder:
         """Note that the operation of ``rec`` ended, successfully or with ``error``."""
         rec[END] = time.time()
         rec[STATE] = "ok" if error is None else f"{type(error).__name__}: {error}"
+        if len(rec) > HOOK:   # a traced group's record: its end goes into the trace too
+            rec[HOOK].ended(rec)
+
+    def raw(self) -> list:
+        """The kept records as they are (lists and tuples), oldest first."""
+        return list(self._ring)
 
     def records(self) -> list[dict]:
         """The kept operations as plain dicts (JSON-ready), oldest first."""
-        out = []
-        for rec in list(self._ring):
-            d = dict(zip(FIELDS, rec))
-            d["shape"] = None if rec[SHAPE] is None else [int(x) for x in rec[SHAPE]]
-            d["dtype"] = None if rec[DTYPE] is None else _dtype_name(rec[DTYPE])
-            d["reduce_op"] = None if rec[REDUCE_OP] is None else getattr(
-                rec[REDUCE_OP], "name", str(rec[REDUCE_OP]))
-            out.append(d)
-        return out
+        return [as_dict(rec) for rec in list(self._ring)]
 
     def dump(self, *, rank: int, size: int, backend: str, group: str,
-             error: Optional[BaseException] = None, directory: Optional[str] = None) -> str:
+             error: Optional[BaseException] = None, directory: Optional[str] = None,
+             reason: Optional[str] = None, in_flight: Sequence[Sequence] = ()) -> str:
         """Write the record to ``<directory>/<job>/<group>.rank<rank>.json``; returns the
-        path. Written to a temporary name and renamed, so a reader never sees half."""
-        folder = os.path.join(directory or flight_dir(), job_name())
+        path. Written to a temporary name and renamed, so a reader never sees half.
+        ``reason`` says why when no error does (``"SIGTERM"``); ``in_flight``: records
+        of calls still running that the ring does not hold yet (a fast call is added
+        when it returns). The oldest job folders beyond ``COLLECTIVES_FLIGHT_KEEP`` are
+        removed (:func:`prune`)."""
+        root = directory or flight_dir()
+        folder = os.path.join(root, job_name())
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, f"{_safe(group)}.rank{rank}.json")
         document = {
@@ -115,13 +123,75 @@ class Recorder:
             "group": group, "job": job_name(), "host": socket.gethostname(),
             "pid": os.getpid(), "written": time.time(),
             "error": None if error is None else f"{type(error).__name__}: {error}",
-            "records": self.records(),
+            "reason": reason if reason is not None else
+            (None if error is None else type(error).__name__),
+            "records": self.records() + [as_dict(rec) for rec in in_flight],
         }
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump(document, f, indent=1)
         os.replace(tmp, path)
+        prune(root, keep=settings.FLIGHT_KEEP.get(), spare=folder)
         return path
+
+
+def job_folders(root: str) -> list[str]:
+    """The job folders under ``root`` (those holding flight records), oldest first (by
+    the time a record was last written into them)."""
+    found = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    for name in names:
+        folder = os.path.join(root, name)
+        try:
+            files = os.listdir(folder)
+        except OSError:   # not a folder, or gone
+            continue
+        if any(_RECORD.match(f) for f in files):
+            found.append((os.path.getmtime(folder), folder))
+    return [folder for _, folder in sorted(found)]
+
+
+#: A record file's name: ``<group>.rank<r>.json`` (or its temporary while written).
+_RECORD = re.compile(r".*\.rank\d+\.json(\.\d+\.tmp)?$")
+
+
+def prune(root: str, *, keep: int, spare: Optional[str] = None) -> list[str]:
+    """Remove the oldest job folders under ``root`` beyond the newest ``keep`` (never
+    ``spare``, the one being written); a folder holding anything but flight records is
+    left alone. Returns the folders removed.
+
+    >>> prune("/nonexistent", keep=10)
+    []
+    """
+    folders = job_folders(root)
+    removed = []
+    for folder in folders[:max(0, len(folders) - keep)]:
+        if folder == spare:
+            continue
+        try:
+            files = os.listdir(folder)
+            if not all(_RECORD.match(f) for f in files):
+                continue
+            for f in files:
+                os.unlink(os.path.join(folder, f))
+            os.rmdir(folder)
+            removed.append(folder)
+        except OSError:   # another rank of another job pruned it first
+            continue
+    return removed
+
+
+def as_dict(rec: Sequence) -> dict:
+    """One record (a list or tuple in the order of FIELDS) as a JSON-ready dict."""
+    d = dict(zip(FIELDS, rec))
+    d["shape"] = None if rec[SHAPE] is None else [int(x) for x in rec[SHAPE]]
+    d["dtype"] = None if rec[DTYPE] is None else _dtype_name(rec[DTYPE])
+    d["reduce_op"] = None if rec[REDUCE_OP] is None else getattr(
+        rec[REDUCE_OP], "name", str(rec[REDUCE_OP]))
+    return d
 
 
 def _dtype_name(dtype: Any) -> str:

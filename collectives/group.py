@@ -27,7 +27,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from . import flight, logs, objects, persistent, regroup, running, settings, symmetric
+from . import (flight, flight_signals, logs, objects, persistent, regroup, running, settings,
+               symmetric, trace)
 from .backend import Backend
 from .buffers import HostBuffer, host_dtype, to_host
 from .errors import GroupAborted
@@ -113,6 +114,10 @@ class ProcessGroup:
         self.origin: Optional[Rendezvous] = None
         #: 0 for a launcher's world, k for a group re-formed as generation k.
         self.generation: int = 0
+        # SIGTERM and SIGUSR1 write the records of the open groups (flight_signals); a
+        # traced process (COLLECTIVES_TRACE, trace.tracing) traces every group it makes.
+        flight_signals.register(self)
+        trace.group_created(self)
 
     @property
     def timeout(self) -> float:
@@ -549,6 +554,7 @@ class ProcessGroup:
         if self._closed:
             return
         self._closed = True
+        flight_signals.unregister(self)
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -573,6 +579,7 @@ class ProcessGroup:
                      self.size, reason)
         self._aborted = reason
         self._closed = True
+        flight_signals.unregister(self)
         for child in list(self._children):
             child.abort(reason)
         try:

@@ -163,6 +163,13 @@ FLIGHT_RECORDER = _s("FLIGHT_RECORDER", "int", 256, "all",
                      "operations each group remembers for the doctor (0: off)", minimum=0)
 FLIGHT_DIR = _s("FLIGHT_DIR", "path", None, "all", "where flight records are written",
                 default_doc="<tmp>/collectives-flight")
+FLIGHT_KEEP = _s("FLIGHT_KEEP", "int", 10, "all",
+                 "job folders of flight records kept in the flight folder (older ones are "
+                 "removed when a record is written)", minimum=1)
+TRACE = _s("TRACE", "path", None, "all",
+           "trace every group of the process: each rank streams its events to "
+           "DIR/rank<r>.jsonl (collectives trace merge DIR)",
+           default_doc="unset: no trace")
 SECRET = _s("SECRET", "str", None, "zmq",
             "the job's secret (at least 16 characters) that authenticates peers; "
             "collectives.spawn makes one per job")

@@ -26,7 +26,7 @@ import time
 import traceback
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
-from . import settings, warm_start
+from . import flight_signals, settings, warm_start
 from .errors import CollectiveError, CollectiveTimeout, PeerError
 from .validation import timeout_seconds
 from .outer_launcher import refuse_under_launcher
@@ -403,7 +403,13 @@ class sigterm_raises:
     def __enter__(self) -> None:
         self._previous = None
         if threading.current_thread() is threading.main_thread():
-            if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+            current = signal.getsignal(signal.SIGTERM)
+            # The flight recorder's handler (it writes the records, then acts as the
+            # default would) counts as the default here.
+            if current in (signal.SIG_DFL, None) or (
+                    flight_signals.is_ours(current) and
+                    flight_signals.previous_handler(signal.SIGTERM) in (signal.SIG_DFL,
+                                                                       None)):
                 self._previous = signal.signal(signal.SIGTERM, _raise_terminated)
 
     def __exit__(self, *exc: object) -> None:
@@ -412,6 +418,7 @@ class sigterm_raises:
 
 
 def _raise_terminated(signum: int, frame: Any) -> None:
+    flight_signals.dump_open_groups(signal.Signals(signum).name)
     raise SystemExit(128 + signum)
 
 

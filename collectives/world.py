@@ -13,7 +13,7 @@ import datetime
 import time
 from typing import Optional, Union
 
-from . import logs, settings
+from . import logs, settings, trace
 from .backend import Backend
 from .group import ProcessGroup
 from .launch import default_backend, detect_rendezvous
@@ -74,6 +74,7 @@ def init_process_group(backend: Optional[str] = None, *, rank: Optional[int] = N
               time.monotonic() - start)
     group = ProcessGroup(made)
     group.origin = rendezvous
+    trace.start_from_settings(group)   # with tracing on: a clock mark on the new world
     return group
 
 

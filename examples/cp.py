@@ -82,7 +82,7 @@ from torch.utils.data import BatchSampler  # noqa: E402
 import collectives  # noqa: E402
 from examples.common.harness import progress, traced_step  # noqa: E402
 from examples.common.mnist import load_mnist  # noqa: E402
-from examples.common.trace import Tracer  # noqa: E402
+from collectives import trace  # noqa: E402
 from parallel import DDP, DeviceMesh, ShardSampler  # noqa: E402
 from parallel.cp import ContextParallelAttention, shard_sequence, unshard_sequence  # noqa: E402
 from parallel.tp import ParallelTransformerBlock, TransformerBlock  # noqa: E402
@@ -141,7 +141,7 @@ class ContextParallelModel(nn.Module):
         return self.head(self.norm(h).mean(dim=1))
 
 
-def record_timelines(model: ContextParallelModel, tracer: Tracer, step: int) -> None:
+def record_timelines(model: ContextParallelModel, tracer: trace.Tracer, step: int) -> None:
     """Move the attention modules' recorded computation into the trace."""
     for attention in model.attentions:
         if attention.timeline:
@@ -151,7 +151,7 @@ def record_timelines(model: ContextParallelModel, tracer: Tracer, step: int) -> 
 
 
 def train(model: DDP, cp_model: ContextParallelModel, args, rank: int,
-          tracer: Tracer) -> tuple:
+          tracer: trace.Tracer) -> tuple:
     """AdamW over ``args.epochs`` epochs (or ``args.max_steps`` steps), the learning rate
     decaying linearly to 0 (a transformer this small otherwise ends on a noisy epoch), the
     same batches on every rank; each epoch's mean loss and the samples trained on."""
@@ -198,7 +198,7 @@ def accuracy(model: nn.Module, args) -> float:
 
 def main(args):
     pg = collectives.init_process_group(args.backend)
-    tracer = Tracer(pg.rank, enabled=args.trace is not None)
+    tracer = trace.to_file(pg, args.trace)
     # cp: the ranks splitting the tokens; tp of one (the block's heads stay whole). DDP
     # averages the gradients over the world group, a group apart from cp's ring.
     mesh = DeviceMesh(pg, (pg.size, 1), ("cp", "tp"))

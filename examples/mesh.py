@@ -153,7 +153,7 @@ from examples.common.mesh_model import (ROWS, averaging_groups,  # noqa: E402
                                         predicted_bytes, row_transformer, stage_pieces,
                                         tensor_parallel)
 from examples.common.mnist import load_mnist  # noqa: E402
-from examples.common.trace import Tracer  # noqa: E402
+from collectives import trace  # noqa: E402
 from parallel import DDP, FSDP, DeviceMesh, ShardSampler  # noqa: E402
 from parallel.ep import MoE, average_expert_grads, replicate_outside_experts  # noqa: E402
 from parallel.pp import PipelineStage, Schedule1F1B, ScheduleGPipe  # noqa: E402
@@ -211,7 +211,7 @@ class _Replica:
             self.schedule = SCHEDULES[args.schedule](stage, args.microbatches,
                                                       F.cross_entropy)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, opt, tracer: Tracer, step_no: int):
+    def step(self, x: torch.Tensor, y: torch.Tensor, opt, tracer: trace.Tracer, step_no: int):
         """One training step; returns the batch's mean loss on the last stage, else None."""
         if self.schedule is None:
             with tracer.span("forward"):
@@ -249,12 +249,12 @@ class _Replica:
         return h
 
 
-def train_on_mesh(pg, args, dense: nn.Sequential, tracer: Tracer = None) -> dict:
+def train_on_mesh(pg, args, dense: nn.Sequential, tracer: trace.Tracer = None) -> dict:
     """Train a copy of ``dense`` on the (dp, ep, pp, cp, tp) mesh over ``pg``. Returns the epochs'
     mean losses (over every replica), this rank's loss of each step (the mean over its dp
     shard of the batch; on the last stage's ranks only, else empty), the steps, the measured
     and the predicted bytes per step on each dimension, the mesh and the replica."""
-    tracer = tracer or Tracer(pg.rank, enabled=False)
+    tracer = tracer or trace.Tracer(None, pg.rank)
     mesh = DeviceMesh(pg, (args.dp, args.ep, args.pp, args.cp, args.tp), NAMES)
     averaging = averaging_groups(mesh)
     counted = {name: CountingGroup(tracer.wrap(mesh[name], name)) for name in NAMES}
@@ -341,7 +341,7 @@ def accuracy(run: dict, args, pg) -> float:
 
 def main(args):
     pg = collectives.init_process_group(args.backend)
-    tracer = Tracer(pg.rank, enabled=args.trace is not None)
+    tracer = trace.to_file(pg, args.trace)
     start = time.perf_counter()
     run = train_on_mesh(pg, args, dense_model(args), tracer)
     wall_s = time.perf_counter() - start

@@ -53,7 +53,7 @@ from torch import nn  # noqa: E402
 import collectives  # noqa: E402
 from examples.common.harness import progress  # noqa: E402
 from examples.common.mnist import load_mnist  # noqa: E402
-from examples.common.trace import Tracer  # noqa: E402
+from collectives import trace  # noqa: E402
 from parallel.pp import (PipelineStage, Schedule1F1B, ScheduleGPipe,  # noqa: E402
                          ScheduleInterleaved1F1B, ScheduleZeroBubble, draw_png,
                          split_sequential)
@@ -92,7 +92,7 @@ def pipeline_forward(stages: dict, pg, num_stages: int, x: torch.Tensor, widths:
 
 def main(args):
     pg = collectives.init_process_group(args.backend)
-    tracer = Tracer(pg.rank, enabled=args.trace is not None)
+    tracer = trace.to_file(pg, args.trace)
     x_train, y_train = map(torch.from_numpy, load_mnist(args.data_dir, "train"))
     x_test, y_test = map(torch.from_numpy, load_mnist(args.data_dir, "test"))
 
