@@ -75,6 +75,9 @@ class Recorder:
     def __init__(self, capacity: int) -> None:
         #: How many operations are kept.
         self.capacity = capacity
+        #: How many job folders a dump leaves (read now: a bad value is an error when the
+        #: group is made, not one that hides the failure being recorded).
+        self.keep: int = settings.FLIGHT_KEEP.get()
         self._ring: collections.deque = collections.deque(maxlen=capacity)
         #: Add a finished record (a tuple in the order of FIELDS) as it is: the fast
         #: path's one step per call (collectives.fast_path).
@@ -131,7 +134,7 @@ class Recorder:
         with open(tmp, "w") as f:
             json.dump(document, f, indent=1)
         os.replace(tmp, path)
-        prune(root, keep=settings.FLIGHT_KEEP.get(), spare=folder)
+        prune(root, keep=self.keep, spare=folder)
         return path
 
 
