@@ -1,6 +1,6 @@
 """The flight recorder: every group remembers its last N operations, and writes them to
-a file when one fails, so that ``python -m collectives.doctor`` can show where the ranks
-went different ways.
+a file when one fails (and on SIGTERM and SIGUSR1: :mod:`collectives.flight_signals`), so
+that ``collectives doctor`` can show where the ranks went different ways.
 
 A hang in a distributed job is usually one rank that called something else, or nothing:
 the rank that is stuck cannot see why. Each rank's record answers "what had I called,
@@ -10,14 +10,14 @@ the ranks' records up by sequence number.
 Recording is on by default and costs one small list per call (see ``Recorder.start``);
 ``COLLECTIVES_FLIGHT_RECORDER=0`` turns it off, another number sets how many operations
 each group keeps (default 256). Records are written to ``COLLECTIVES_FLIGHT_DIR``
-(default: ``<tmp>/collectives-flight``), one JSON file per rank and group::
+(default: ``<tmp>/collectives-flight``), one JSON file per rank and group, in a folder
+per job of which the last ``COLLECTIVES_FLIGHT_KEEP`` (default 10) are kept::
 
     /tmp/collectives-flight/<job>/<group>.rank1.json
 
 Two ranks, rank 1 stuck in a barrier while rank 0 waits in an all_reduce: both raise
-``CollectiveTimeout``, both write their records, and
-``python -m collectives.doctor /tmp/collectives-flight/<job>/*.json`` says that at
-sequence number 7 rank 0 called all_reduce and rank 1 called barrier.
+``CollectiveTimeout``, both write their records, and ``collectives doctor`` (the latest
+job) says that at sequence number 7 rank 0 called all_reduce and rank 1 called barrier.
 """
 
 from __future__ import annotations
