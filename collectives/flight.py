@@ -78,6 +78,9 @@ class Recorder:
         #: How many job folders a dump leaves (read now: a bad value is an error when the
         #: group is made, not one that hides the failure being recorded).
         self.keep: int = settings.FLIGHT_KEEP.get()
+        #: The error of the last dump that had one: a later dump (a SIGTERM that follows
+        #: the failure) keeps saying what failed.
+        self.last_error: Optional[str] = None
         self._ring: collections.deque = collections.deque(maxlen=capacity)
         #: Add a finished record (a tuple in the order of FIELDS) as it is: the fast
         #: path's one step per call (collectives.fast_path).
@@ -117,6 +120,8 @@ class Recorder:
         of calls still running that the ring does not hold yet (a fast call is added
         when it returns). The oldest job folders beyond ``COLLECTIVES_FLIGHT_KEEP`` are
         removed (:func:`prune`)."""
+        if error is not None:
+            self.last_error = f"{type(error).__name__}: {error}"
         root = directory or flight_dir()
         folder = os.path.join(root, job_name())
         os.makedirs(folder, exist_ok=True)
@@ -125,7 +130,7 @@ class Recorder:
             "format": FORMAT, "rank": rank, "size": size, "backend": backend,
             "group": group, "job": job_name(), "host": socket.gethostname(),
             "pid": os.getpid(), "written": time.time(),
-            "error": None if error is None else f"{type(error).__name__}: {error}",
+            "error": self.last_error,
             "reason": reason if reason is not None else
             (None if error is None else type(error).__name__),
             "records": self.records() + [as_dict(rec) for rec in in_flight],

@@ -171,6 +171,28 @@ def test_sigterm_leaves_the_ranks_flight_record_and_streamed_trace(tmp_path):
     assert group["divergence"]["ranks"]["1"]["state"] == "running"
 
 
+def test_a_peers_failure_leaves_the_survivors_record(tmp_path):
+    """Rank 1 raises while rank 0 waits in an all_reduce: rank 0 learns it (a PeerError
+    from the transport, or the launcher's SIGTERM, whichever comes first) and its record
+    holds that all_reduce, unfinished or failed; the trace too."""
+    flight_root = tmp_path / "flight"
+    job = subprocess.run([sys.executable, str(JOB), "peer_dies", "2"], cwd=ROOT,
+                         env=_env(COLLECTIVES_TRACE=str(tmp_path / "traces"),
+                                  COLLECTIVES_FLIGHT_DIR=str(flight_root)),
+                         capture_output=True, text=True, timeout=240)
+    assert job.returncode != 0 and "rank 1 gives up" in job.stderr, job.stderr[-3000:]
+    (folder,) = os.listdir(flight_root)
+    record = json.loads((flight_root / folder / "world.rank0.json").read_text())
+    assert record["reason"] in ("PeerError", "SIGTERM"), record["reason"]
+    last = record["records"][-1]
+    assert (last["seq"], last["op"]) == (2, "all_reduce") and last["state"] != "ok"
+    if record["reason"] == "SIGTERM" and last["state"] != "running":
+        assert record["error"].startswith("PeerError")   # the failure, then the SIGTERM
+    _, events = trace_merge.read_rank_file(str(tmp_path / "traces" / "rank0.jsonl"))
+    begins = [e for e in events if e["ph"] == "b"]
+    assert (begins[-1]["name"], begins[-1]["args"]["seq"]) == ("all_reduce", 2)
+
+
 def test_a_cut_last_line_is_dropped_and_a_bad_directory_is_refused(tmp_path):
     folder = tmp_path / "t"
     tracer = trace.Tracer(str(folder), 0, 1)

@@ -4,7 +4,8 @@ with ``COLLECTIVES_TRACE`` and ``COLLECTIVES_FLIGHT_DIR`` set by the test.
 ``collectives``: every rank runs a few collectives (a span around them, an async one, a
 sub-group's broadcast, point to point) and leaves. ``hang``: rank 1 writes its pid to
 ``$TRACE_JOB_PID_FILE`` and waits in an all_reduce that rank 0 never joins (rank 0
-sleeps), until the test signals rank 1.
+sleeps), until the test signals rank 1. ``peer_dies``: rank 1 raises after one
+all_reduce while rank 0 waits in the next.
 """
 
 import os
@@ -51,7 +52,17 @@ def hang() -> None:
     pg.close()
 
 
+def peer_dies() -> None:
+    pg = collectives.init_process_group()
+    t = np.ones(16, np.float32)
+    pg.all_reduce(t)
+    if pg.rank == 1:
+        raise RuntimeError("rank 1 gives up")
+    pg.all_reduce(t)                       # its peer is gone: PeerError, or the SIGTERM
+    pg.close()
+
+
 if __name__ == "__main__":
     mode, nproc = sys.argv[1], int(sys.argv[2])
-    fn = {"collectives": collectives_only, "hang": hang}[mode]
+    fn = {"collectives": collectives_only, "hang": hang, "peer_dies": peer_dies}[mode]
     collectives.spawn(fn, nproc, timeout=120)
