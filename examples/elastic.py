@@ -14,8 +14,9 @@ a replacement, which receives the model and optimizer state from a live replica 
 it contributes. This launcher (not a rank) prints the summary, whichever rank died; it
 adds failures, recoveries, world_size_final, steps_committed, steps_skipped and
 replicas_equal (every finished replica's parameters hashed, all equal). Every rank
-process has RANK in its environment (the ranks are forked from a fork server that this
-launcher started: find them among its descendants).
+process is started (executed, not forked) with RANK, LOCAL_RANK and WORLD_SIZE in its
+environment, so a chaos tool finds rank k among this launcher's children by
+/proc/PID/environ; each is also named coll-rank<k> (ps -o comm, pgrep -x coll-rank2).
 """
 
 import os
@@ -25,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from collectives import settings  # noqa: E402
 from examples.common.cli import parse_args, print_summary  # noqa: E402
 
 
@@ -42,6 +44,9 @@ def _options(p):
 
 
 if __name__ == "__main__":   # parse first: a bad flag is refused before torch loads
+    # The launcher executes its ranks (RANK in their real environment) instead of forking
+    # them from the warm fork server, so parse_args need not start one.
+    os.environ.setdefault(settings.START_METHOD.name, "spawn")
     ARGS = parse_args("elastic", epochs=5, batch_size=32, lr=0.05, description=__doc__,
                       extra=_options)
     if ARGS.backend not in (None, "shm", "zmq", "gloo"):

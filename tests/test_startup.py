@@ -72,7 +72,15 @@ def _rank_report():
             "threads_now": preloaded.count_threads(), "py_threads": threading.active_count(),
             "torch_threads": torch.get_num_threads(), "ppid": os.getppid(),
             "marker": os.environ.get("STARTUP_TEST_MARKER"),
-            "rank": os.environ.get("RANK"), "draw": float(np.random.random())}
+            "rank": os.environ.get("RANK"), "draw": float(np.random.random()),
+            "comm": Path("/proc/self/comm").read_text().strip(),
+            "real_rank": _real_environment().get("RANK")}
+
+
+def _real_environment() -> dict:
+    """This process's environment as the kernel shows it to others (/proc/PID/environ)."""
+    raw = Path("/proc/self/environ").read_bytes()
+    return dict(item.decode().split("=", 1) for item in raw.split(b"\0") if b"=" in item)
 
 
 @pytest.mark.skipif(not FORKSERVER, reason="the fork server is not this platform's default")
@@ -145,6 +153,18 @@ def test_functions_defined_in_main_work(tmp_path):
                                        COLLECTIVES_START_METHOD=method))
         assert done.returncode == 0, (method, done.stderr)
         assert done.stdout.strip() == "[30.0, 30.0]", method
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc is Linux's")
+def test_an_outside_tool_finds_each_rank_by_its_name_or_environment(monkeypatch):
+    # Forked from the fork server, a rank's /proc/PID/environ is the server's; its name
+    # (/proc/PID/comm) says its rank. Executed (start method spawn), both do.
+    forked = collectives.spawn(_rank_report, 2)
+    assert [r["comm"] for r in forked] == ["coll-rank0", "coll-rank1"]
+    monkeypatch.setenv("COLLECTIVES_START_METHOD", "spawn")
+    executed = collectives.spawn(_rank_report, 2)
+    assert [r["comm"] for r in executed] == ["coll-rank0", "coll-rank1"]
+    assert [r["real_rank"] for r in executed] == ["0", "1"]
 
 
 def test_the_spawn_start_method_stays_available(monkeypatch):
