@@ -1,13 +1,13 @@
 """The launcher of ``examples/elastic.py``: it runs the fault-tolerance coordinator
-(:class:`parallel.ft.Coordinator`, on a thread of this process), starts the ranks
-(each a fresh interpreter, see below), watches them, and,
-unlike ``collectives.spawn``, lets the others go on when one dies: it tells the
-coordinator at once (so the next quorum does not wait for the heartbeat to expire) and,
-with ``respawn``, starts a replacement with the same ``RANK``, which heals from a live
-replica and joins. It returns what every rank that finished returned, and counts.
+(:class:`parallel.ft.Coordinator`, on a thread of this process), starts the ranks,
+watches them, and, unlike ``collectives.spawn``, lets the others go on when one dies:
+it tells the coordinator at once (so the next quorum does not wait for the heartbeat to
+expire) and, with ``respawn``, starts a replacement with the same ``RANK``, which heals
+from a live replica and joins. It returns what every rank that finished returned, and
+counts.
 
-Unlike ``collectives.spawn``, each rank is a fresh interpreter (``multiprocessing``'s
-``spawn``), executed with its ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ... in its
+Also unlike ``collectives.spawn``, each rank is a fresh interpreter
+(``multiprocessing``'s ``spawn``), executed with its ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ... in its
 environment: a chaos tool outside the job finds rank k by reading
 ``/proc/PID/environ``, which for a rank forked from the warm fork server would show the
 server's environment (no ``RANK``). The price is an import of torch per rank (about
