@@ -40,8 +40,8 @@ def _parser() -> FlagParser:
     add_flag(p, "--nproc", default="2,4", several=True,
              help="comma list of C, the ranks of one job")
     add_flag(p, "--batch-size", default=1, help="batch of q, k and v")
-    p.add_argument("--heads", type=positive_int, default=2)
-    p.add_argument("--head-dim", type=positive_int, default=32)
+    p.add_argument("--heads", type=positive_int, default=2, help="attention heads")
+    p.add_argument("--head-dim", type=positive_int, default=32, help="features per head")
     add_flag(p, "--repeat", default=3, help="timed repetitions (after one warm-up)")
     add_flag(p, "--backend", default="shm")
     p.add_argument("--no-torch", action="store_true",

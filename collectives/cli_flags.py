@@ -69,13 +69,15 @@ def flag_parser(prog: Optional[str] = None, description: Optional[str] = None, *
     return FlagParser(prog=prog, description=description, formatter_class=formatter)
 
 
-class _RawDefaultsFormatter(argparse.RawDescriptionHelpFormatter,
-                            argparse.ArgumentDefaultsHelpFormatter):
-    """The description as written, every option's default in its help."""
+class _RawDefaultsFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description as written; an option's help ends with its default, unless it says
+    it already or there is none to say (None, False: a switch)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        return text if "%(default)" in text else super()._get_help_string(action)
+        if "%(default)" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 # ------------------------------------------------------------------ value parsers

@@ -40,8 +40,8 @@ def _parser(prog: str = "python -m collectives.bench") -> FlagParser:
     from .peers import PEERS
     p = flag_parser(
         prog,
-        "nccl-tests style benchmarks of a backend's collectives, with the raw peer "
-        "libraries side by side (time: median over iterations of the slowest rank; "
+        "nccl-tests style benchmarks of a backend's collectives, with the raw peer\n"
+        "libraries side by side (time: median over iterations of the slowest rank;\n"
         "#wrong: wrong elements of the checked result).",
         defaults_in_help=True)
     add_flag(p, "--backend", default="shm", help="our backend to measure")
@@ -55,7 +55,7 @@ def _parser(prog: str = "python -m collectives.bench") -> FlagParser:
     add_flag(p, "--warmup", default=5,
              help="untimed iterations per size (fewer where --byte-budget cuts the timed "
                   "ones, in proportion)")
-    p.add_argument("--byte-budget", type=parse_size, default="512M",
+    p.add_argument("--byte-budget", type=parse_size, default="512M", metavar="SIZE",
                    help="at most this many bytes in the timed iterations of one size "
                         "(at least 3 iterations)")
     p.add_argument("--peer", action="append", default=[], metavar="PEER",
