@@ -21,7 +21,7 @@ A bad value is one line on standard error and exit status 2 (argparse's usage er
 A script builds its parser with :func:`flag_parser` and adds shared flags with
 :func:`add_flag`; its own flags it adds as usual (``parser.add_argument``). Every
 script's flags are checked against :data:`FLAGS` and :data:`RENAMED` by
-``tests/test_flags.py``. A two-rank sweep::
+``tests/test_flags.py``. A sweep over two world sizes::
 
     >>> p = flag_parser("sweep.py")
     >>> _ = add_flag(p, "--nproc", default="2", several=True)
@@ -46,9 +46,9 @@ __all__ = ["FLAGS", "RENAMED", "Flag", "FlagParser", "add_flag", "backend_name",
 
 class FlagParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose usage errors are one line, ``PROG: error: MESSAGE``,
-    with exit status 2 (argparse prints the usage block first; the message names the
-    flag and what it accepts, and ``--help`` shows the rest). Abbreviations are refused:
-    a flag has one spelling."""
+    with exit status 2 (where argparse would print the usage block first: the message
+    names the flag and what it accepts, and ``--help`` shows the rest). Abbreviations
+    are refused: a flag has one spelling."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
@@ -62,8 +62,8 @@ def flag_parser(prog: Optional[str] = None, description: Optional[str] = None, *
                 defaults_in_help: bool = False) -> FlagParser:
     """A :class:`FlagParser` that keeps ``description``'s layout (a module docstring's
     command lines stay lines). ``defaults_in_help``: every option's help ends with its
-    default (argparse's ``ArgumentDefaultsHelpFormatter``), for scripts whose own flags do
-    not say it themselves; shared flags always say it."""
+    default where it has one, for scripts whose own flags do not say it themselves;
+    shared flags (:func:`add_flag`) always say it."""
     formatter = (_RawDefaultsFormatter if defaults_in_help
                  else argparse.RawDescriptionHelpFormatter)
     return FlagParser(prog=prog, description=description, formatter_class=formatter)
@@ -272,10 +272,13 @@ def add_flag(parser: argparse.ArgumentParser, name: str, *, default: Any = None,
     default is appended either way. A string default goes through the flag's parser
     (``default="2,4"`` for ``--nproc`` gives ``[2, 4]``). ``kwargs`` go to
     ``add_argument`` (``required``, ``dest``)."""
+    if name not in FLAGS:
+        raise ValueError(f"add_flag: argument `name`: {name!r} is not a shared flag; "
+                         f"shared: {', '.join(FLAGS)}")
     flag = FLAGS[name]
     kind = flag.several_type if several else flag.type
     if kind is None:
-        raise ValueError(f"add_flag: {name} has no comma-list form")
+        raise ValueError(f"add_flag: argument `several`: {name} has no comma-list form")
     text = help or (flag.several_help if several else flag.help)
     if default is not None and "%(default)" not in text:
         text += " (default: %(default)s)"

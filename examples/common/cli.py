@@ -34,6 +34,7 @@ from collectives.cli_flags import add_flag, flag_parser
 
 __all__ = ["SUMMARY_KEYS", "launch", "parse_args", "print_summary", "process_start_time"]
 
+
 def process_start_time(pid: Optional[int] = None) -> float:
     """When process ``pid`` (default: this one) started, in ``time.time()``'s clock: the
     kernel's record (``/proc``), so the interpreter's own start-up counts; where there is
