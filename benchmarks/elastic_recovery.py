@@ -2,10 +2,10 @@
 random moment to the next committed step (and to the first step committed by a quorum
 without the dead rank: see :func:`measure`), and from the start of its replacement to
 the replacement's first contribution (its first committed step, after healing), median
-and worst over ``--runs`` chaos runs per transport.
+and worst over ``--repeat`` chaos runs per transport.
 
     python benchmarks/elastic_recovery.py                         # shm zmq gloo, 20 runs
-    python benchmarks/elastic_recovery.py --backends shm --runs 5 --json out.json
+    python benchmarks/elastic_recovery.py --backend shm --repeat 5 --json out.json
 
 Each run is ``examples/elastic.py``'s training (``--nproc`` ranks, ``--respawn``,
 ``--epochs``) started in this process; a chaos thread waits for the first committed
@@ -33,16 +33,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def _args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--backends", default="shm,zmq,gloo")
-    p.add_argument("--runs", type=int, default=20)
-    p.add_argument("--nproc", type=int, default=3)
-    p.add_argument("--epochs", type=int, default=10,
-                   help="long enough that the replacement joins before the end")
-    p.add_argument("--timeout", type=float, default=5.0, help="collective timeout (s)")
-    p.add_argument("--heartbeat-timeout", type=float, default=2.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write every run's times to this file")
+    from collectives.cli_flags import add_flag, flag_parser, seconds
+    p = flag_parser(description=__doc__)
+    add_flag(p, "--backend", default="shm,zmq,gloo", several=True)
+    add_flag(p, "--repeat", default=20, help="chaos runs per backend")
+    add_flag(p, "--nproc", default=3)
+    add_flag(p, "--epochs", default=10,
+             help="long enough that the replacement joins before the end")
+    add_flag(p, "--timeout", default=5.0)
+    p.add_argument("--heartbeat-timeout", type=seconds, default=2.0,
+                   help="seconds of silence after which the coordinator drops a replica "
+                        "(default: %(default)s)")
+    add_flag(p, "--seed", default=0, help="which rank dies when")
+    add_flag(p, "--json", help="also write every run's times to FILE as JSON")
     return p.parse_args()
 
 
@@ -142,8 +145,8 @@ def main() -> None:
     opts = _args()
     rng = random.Random(opts.seed)
     rows = []
-    for backend in opts.backends.split(","):
-        for i in range(opts.runs):
+    for backend in opts.backend:
+        for i in range(opts.repeat):
             row = one_run(backend, opts, rng)
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)

@@ -1,7 +1,7 @@
 """Start-up: what ``import collectives`` loads, how ``collectives.spawn`` starts ranks from
 its warm fork server (one thread when it forks, the caller's environment and streams, a
-fresh numpy seed per rank, ``__main__`` functions, the ``spawn`` setting), and that the
-examples refuse a bad flag before importing torch."""
+fresh numpy seed per rank, ``__main__`` functions, the ``spawn`` setting). That every
+example and benchmark refuses a bad flag before importing torch: tests/test_flags.py."""
 
 from __future__ import annotations
 
@@ -184,30 +184,3 @@ def test_a_rank_forked_from_a_server_with_threads_refuses(monkeypatch):
     monkeypatch.setitem(sys.modules, "collectives.preloaded", fake)
     with pytest.raises(RuntimeError, match="3 threads.*COLLECTIVES_START_METHOD=spawn"):
         warm_start.rank_setup(dict(os.environ), "forkserver", ())
-
-
-@pytest.mark.parametrize("example", ["ddp", "fsdp", "tp", "pp", "moe", "mesh", "cp",
-                                     "elastic"])
-def test_an_example_refuses_a_bad_backend_before_importing_torch(example):
-    done = subprocess.run([sys.executable, "-X", "importtime", f"examples/{example}.py",
-                           "--backend", "foo"], capture_output=True, text=True, timeout=60,
-                          cwd=ROOT)
-    assert done.returncode == 2
-    imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()
-                if line.startswith("import time:")]
-    assert "torch" not in imported and "collectives" in imported
-    said = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
-    assert len(said) == 1 and "unknown backend 'foo'" in said[0], said
-
-
-@pytest.mark.parametrize("script", sorted(
-    p.name for p in (ROOT / "benchmarks").glob("*.py")
-    if '__name__ == "__main__"' in p.read_text()))
-def test_a_benchmark_refuses_a_bad_flag_before_importing_torch(script):
-    done = subprocess.run([sys.executable, "-X", "importtime", f"benchmarks/{script}",
-                           "--no-such-flag"], capture_output=True, text=True, timeout=60,
-                          cwd=ROOT)
-    assert done.returncode == 2, done.stderr[-2000:]
-    imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()
-                if line.startswith("import time:")]
-    assert "torch" not in imported
