@@ -59,17 +59,21 @@ def add_cp_options(p) -> None:
 
 
 def cp_args(argv=None):
-    """The example's options; a token count the layout's chunks do not divide ends the
-    program with status 2 and a message."""
-    args = parse_args("cp", argv, epochs=10, batch_size=32, lr=2e-3, description=__doc__,
-                      extra=add_cp_options)
+    """The example's options; a token count the layout's chunks do not divide is a usage
+    error: one line, exit status 2."""
+    return parse_args("cp", argv, epochs=10, batch_size=32, lr=2e-3, description=__doc__,
+                      extra=add_cp_options, validate=_fit_tokens,
+                      batch_help="samples per step (every rank sees the same batch and "
+                                 "holds a share of each image's tokens)")
+
+
+def _fit_tokens(args) -> None:
+    """ValueError unless the layout's chunks divide the tokens."""
     chunks = args.nproc * (2 if args.layout == "zigzag" else 1)
     if TOKENS % chunks:
-        print(f"examples/cp.py: --nproc {args.nproc} with --layout {args.layout} cuts the "
-              f"{TOKENS} tokens into {chunks} chunks, which does not divide them",
-              file=sys.stderr, flush=True)
-        sys.exit(2)
-    return args
+        raise ValueError(f"--nproc {args.nproc} with --layout {args.layout} cuts the "
+                         f"{TOKENS} tokens into {chunks} chunks, which does not divide "
+                         f"them")
 
 
 if __name__ == "__main__":   # parse first: a bad flag is refused before torch loads

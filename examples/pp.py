@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from collectives.cli_flags import positive_int  # noqa: E402
 from examples.common.cli import launch, parse_args, print_summary  # noqa: E402
 
 TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "zb": "ZB-H1", "interleaved": "interleaved 1F1B"}
@@ -30,21 +31,27 @@ TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "zb": "ZB-H1", "interleaved": "inter
 def _options(p) -> None:
     p.add_argument("--schedule", choices=sorted(TITLES), default="1f1b",
                    help="pipeline schedule (default: %(default)s)")
-    p.add_argument("--microbatches", type=int, default=4,
+    p.add_argument("--microbatches", type=positive_int, default=4,
                    help="micro-batches per step; must divide --batch-size (default: "
                         "%(default)s)")
-    p.add_argument("--virtual-stages", type=int, default=2,
+    p.add_argument("--virtual-stages", type=positive_int, default=2,
                    help="stages per rank for --schedule interleaved (default: %(default)s)")
     p.add_argument("--picture", metavar="FILE.png", default=None,
                    help="draw the schedule (and, with --trace, the measured last step)")
 
 
+def _fit_microbatches(args) -> None:
+    """ValueError unless the micro-batches divide the batch."""
+    if args.batch_size % args.microbatches:
+        raise ValueError(f"--batch-size {args.batch_size} is not a multiple of "
+                         f"--microbatches {args.microbatches}")
+
+
 if __name__ == "__main__":   # parse first: a bad flag is refused before torch loads
     ARGS = parse_args("pp", epochs=4, batch_size=64, lr=0.05, description=__doc__,
-                      extra=_options)
-    if ARGS.batch_size % ARGS.microbatches:
-        sys.exit(f"examples/pp.py: --batch-size {ARGS.batch_size} is not a multiple of "
-                 f"--microbatches {ARGS.microbatches}")
+                      extra=_options, validate=_fit_microbatches,
+                      batch_help="the whole pipeline's samples per step (every rank sees "
+                                 "them), split into --microbatches")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

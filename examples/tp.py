@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from examples.common.cli import launch, parse_args, print_summary  # noqa: E402
 
 if __name__ == "__main__":   # parse first: a bad flag is refused before torch loads
-    ARGS = parse_args("tp", epochs=3, batch_size=32, lr=0.05, description=__doc__)
+    ARGS = parse_args("tp", epochs=3, batch_size=32, lr=0.05, description=__doc__,
+                      batch_help="samples per step (every rank sees the same batch)")
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402

@@ -599,7 +599,7 @@ def test_fast_path_leaves_unaligned_and_read_only_arrays_to_the_general_path(mon
 
 def test_base_overhead_benchmark_runs_and_the_fast_path_is_faster():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "base_overhead.py"),
-                           "--iters", "500", "--repeats", "5"], cwd=ROOT, capture_output=True,
+                           "--iters", "500", "--repeat", "5"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
