@@ -248,7 +248,8 @@ FLAGS: dict[str, Flag] = {
     "--job-timeout": Flag(seconds, "S", "seconds one run (a job of ranks) may take"),
     "--json": Flag(str, "FILE", "also write the results to FILE as JSON"),
     "--trace": Flag(str, "FILE", "write a Chrome trace (chrome://tracing, ui.perfetto.dev) "
-                                 "of every rank's steps and collectives to FILE"),
+                                 "of every rank's steps and collectives to FILE; each rank "
+                                 "streams its part to FILE.ranks/ as it runs"),
 }
 
 #: Flags that no script defines, and the shared flag that says the same.

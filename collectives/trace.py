@@ -81,7 +81,8 @@ class Tracer:
     def __init__(self, directory: Optional[str], rank: int, size: int = 1) -> None:
         self.directory, self.rank, self.size = directory, rank, size
         self.enabled = directory is not None
-        self._ids = itertools.count(rank << 32)   # unique across ranks: Chrome matches async events by id
+        # Unique across ranks: Chrome matches async begin/end events by their id.
+        self._ids = itertools.count(rank << 32)
         # Re-entrant: a signal handler may write (collectives.flight_signals) while the
         # main thread is half-way through a write of its own.
         self._lock = threading.RLock()
