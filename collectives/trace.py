@@ -27,7 +27,7 @@ own spans (:meth:`Tracer.span`, :meth:`Tracer.add_slice`). The hook is the group
 recorder (:mod:`collectives.flight`; with ``COLLECTIVES_FLIGHT_RECORDER=0`` a traced
 group keeps a one-entry record). The begin is written when the call starts: a traced
 group leaves the fast path of blocking calls, which records a call only once it returned
-(a few microseconds more per call).
+(each call then costs what the general path costs, plus two lines written).
 
 Clocks: every timestamp is the rank's wall clock (``time.time()``, the flight recorder's
 clock), so ranks of one host share it exactly. Each rank's file starts with its host and a
@@ -193,7 +193,7 @@ class TracedRecorder(flight.Recorder):
         self.tracer, self.label, self.group_name = tracer, label, group._flight_name
         self.append = self._append   # (the base class binds the ring's append)
         # The fast path records a call when it returns; the general path when it starts,
-        # which the trace of a rank that hangs in a call needs (a few us more a call).
+        # which the trace of a rank that hangs in a call needs.
         group._fast = False
 
     def _name(self, op: str) -> str:
