@@ -33,17 +33,18 @@ rendezvous are :func:`shrink`, :func:`grow` and :func:`reform` here, and
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from .backend import Backend
 from .launch import Rendezvous
 from .registry import get_backend
 
-if TYPE_CHECKING:   # (group.py imports this module)
-    from .group import ProcessGroup
 
 __all__ = ["connect", "generation_port", "generation_rendezvous", "grow", "reform",
            "regrouped", "shrink", "shrunk_ranks"]
+
+# The `group` arguments and results below are ProcessGroups, typed Any: group.py imports
+# this module, and the library keeps no import cycle, not even a type-only one.
 
 _MAX_PORT = 65535
 
@@ -136,7 +137,7 @@ def connect(backend: str, rendezvous: Rendezvous, timeout: float, where: str) ->
 
 
 def regrouped(group_class: type, made: Backend, origin: Rendezvous, generation: int,
-              name: str) -> "ProcessGroup":
+              name: str) -> Any:
     """The group of generation ``generation`` on the backend ``made`` (by
     :func:`connect`), named ``name@generation``, remembering the world's rendezvous
     ``origin`` that later generations meet again from."""
@@ -145,16 +146,16 @@ def regrouped(group_class: type, made: Backend, origin: Rendezvous, generation: 
     return group
 
 
-def shrink(group: "ProcessGroup", exclude: Iterable[Any],
-           port: Optional[int] = None) -> "ProcessGroup":
+def shrink(group: Any, exclude: Iterable[Any],
+           port: Optional[int] = None) -> Any:
     """``group.shrink(exclude, port=port)``: this rank's place among the survivors, then
     :func:`reform` under the next generation."""
     rank, size = shrunk_ranks(group.rank, group.size, exclude, group._where("shrink"))
     return reform(group, rank, size, group.generation + 1, port)
 
 
-def grow(group: "ProcessGroup", world_size: int,
-         port: Optional[int] = None) -> "ProcessGroup":
+def grow(group: Any, world_size: int,
+         port: Optional[int] = None) -> Any:
     """``group.grow(world_size, port=port)``: the members keep their ranks, the new
     processes take the ranks above, under the next generation."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) \
@@ -164,8 +165,8 @@ def grow(group: "ProcessGroup", world_size: int,
     return reform(group, group.rank, world_size, group.generation + 1, port)
 
 
-def reform(group: "ProcessGroup", rank: int, size: int, generation: int,
-           port: Optional[int] = None) -> "ProcessGroup":
+def reform(group: Any, rank: int, size: int, generation: int,
+           port: Optional[int] = None) -> Any:
     """``group.reform(rank, size, generation, port=port)``: every check first (so a
     refused call leaves ``group`` usable), then abort ``group`` and meet again."""
     w = group._where("reform")
