@@ -34,8 +34,11 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 KIT_TEST = ROOT / "tests" / "test_readme_kit.py"
-#: Every page whose blocks are checked: the README, then docs/*.md in name order.
-PAGES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))
+#: Every page whose blocks are checked: the README, then the site's pages (docs/*.md,
+#: docs/reference/*.md; not a build's output or the extensions' folder) in name order.
+PAGES = ["README.md"] + sorted(
+    str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md")
+    if not {"_build", "_ext"} & set(p.relative_to(ROOT / "docs").parts))
 #: Folders whose scripts are "ours": a command naming a script there must find it.
 OUR_FOLDERS = ("examples", "benchmarks", "tests", "collectives", "parallel", "backends")
 #: The marker that keeps a block from running, and its reason.
