@@ -345,3 +345,98 @@ def readme_commands(blocks: list[Block] = BLOCKS,
                                tuple(cmd.argv), tuple(sorted(cmd.env.items())))
                         found.setdefault(key, cmd)
     return list(found.values())
+
+
+# ------------------------------------------------------------ the reader's own scripts
+
+@dataclass
+class ScriptRun:
+    """A command that runs a script the page has the reader save (``python hello.py``,
+    ``mpiexec -n 2 python hello.py``, ``torchrun ... hello.py``): the script is the page's
+    block named `name`; `stated` is the comment on the command's line, if any."""
+    page: str
+    line: int
+    source: str
+    name: str
+    block: Block
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    launcher: str = ""
+    launcher_args: list[str] = field(default_factory=list)
+    stated: str = ""
+
+    @property
+    def id(self) -> str:
+        words = [*(f"{k}={v}" for k, v in self.env.items()), self.launcher,
+                 *self.launcher_args, self.name, *self.argv]
+        return f"{Path(self.page).stem}:L{self.line}:" + " ".join(w for w in words if w)
+
+    @property
+    def where(self) -> str:
+        return f"{self.page} line {self.line}"
+
+
+def _reader_words(words: list[str]) -> Optional[tuple]:
+    """(env, launcher, launcher args, script, args) when `words` run a script of the
+    reader's (a bare ``NAME.py``, not one of ours), else None."""
+    env: dict[str, str] = {}
+    while words and re.match(r"^[A-Za-z_]\w*=", words[0]):
+        name, value = words[0].split("=", 1)
+        env[name], words = value, words[1:]
+    if not words:
+        return None
+    head, launcher, launcher_args = os.path.basename(words[0]), "", []
+    if head in ("mpiexec", "mpirun", "torchrun"):
+        pick = (lambda w: w.endswith(".py")) if head == "torchrun" else \
+            (lambda w: bool(re.match(r"python[\d.]*$", w)))
+        at = next((i for i, w in enumerate(words) if pick(w)), None)
+        if at is None:
+            return None
+        launcher, launcher_args = head, words[1:at]
+        words = words[at:] if head == "torchrun" else words[at + 1:]
+    elif re.match(r"python[\d.]*$", head):
+        words = words[1:]
+    else:
+        return None
+    if not words or not re.match(r"^[\w-]+\.py$", words[0]):
+        return None                                 # python -m ..., a path of ours
+    return env, launcher, launcher_args, words[0], words[1:]
+
+
+def _named_block_on(page: str, name: str) -> Optional[Block]:
+    """The first block after the page's first mention of `` `name` ``, if a python one."""
+    text = page_text(page)
+    at = text.find(f"`{name}`")
+    if at < 0:
+        return None
+    line = text.count("\n", 0, at) + 1
+    block = next((b for b in readme_blocks(text, page) if b.line > line), None)
+    return block if block is not None and block.lang == "python" else None
+
+
+def reader_script_runs() -> list[ScriptRun]:
+    """Every command, in a shell block or a `span` of the prose, that runs a script the
+    same page has the reader save, each distinct command once."""
+    found: dict[tuple, ScriptRun] = {}
+    for page in PAGES:
+        text = page_text(page)
+        lines = [(ln, t) for b in readme_blocks(text, page)
+                 if b.lang in SHELL_LANGS and not b.not_run for ln, t in _logical_lines(b)]
+        lines += inline_commands(text)
+        for line, source in lines:
+            if not _COMMAND_START.match(source):
+                continue
+            stated = source.split("#", 1)[1].strip() if "#" in source else ""
+            for words in _segments(source):
+                parsed = _reader_words(words)
+                if parsed is None:
+                    continue
+                env, launcher, launcher_args, name, argv = parsed
+                block = _named_block_on(page, name)
+                if block is None or block.not_run:
+                    continue
+                key = (page, name, tuple(sorted(env.items())), launcher,
+                       tuple(launcher_args), tuple(argv))
+                found.setdefault(key, ScriptRun(page, line, source.strip(), name, block,
+                                                argv, env, launcher, launcher_args, stated))
+    return list(found.values())

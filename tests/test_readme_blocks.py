@@ -24,6 +24,10 @@ heading and the line, so that a failure says where the documentation went stale:
   malformed flag is argparse's exit status 2 and fails the test that names the page
   and line. Inline `spans` of the prose that start such a command are checked the same way;
   ``collectives CMD`` (the installed command) is ``python -m collectives CMD``.
+- ``test_reader_script_command``: a command that runs a script the page has the reader
+  save (``python which_path.py``, ``mpiexec -n 2 python hello.py``, ``torchrun ...
+  hello.py``) runs it, saved from the page's block, under that launcher and environment:
+  it must exit 0, and print last the literal its comment states, if any.
 - Blocks that cannot run on a CPU-only machine of one host carry a ``<!-- not-run:
   REASON -->`` marker on the line above their fence: they are left out of both checks,
   listed by ``test_not_run_blocks_are_few_and_say_why``, and at most
@@ -41,6 +45,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -52,8 +57,9 @@ from typing import Callable
 import pytest
 
 from readme_parse import (BLOCKS, KIT_BLOCKS, PAGES, PYTHON_BLOCKS, ROOT, RUN_ELSEWHERE,
-                          Block, Command, inline_commands, not_run_markers, readme_blocks,
-                          page_inline_commands, page_text, readme_commands)
+                          Block, Command, ScriptRun, inline_commands, not_run_markers,
+                          page_inline_commands, page_text, readme_blocks, readme_commands,
+                          reader_script_runs)
 
 #: Seconds one python block may run; the slowest measured here took well under half.
 BLOCK_TIMEOUT = 180.0
@@ -503,3 +509,60 @@ def test_a_prose_span_is_a_command_with_placeholders_as_values():
     [cmd] = readme_commands([], spans)
     assert (cmd.kind, cmd.target, cmd.argv, cmd.inline) == (
         "module", "collectives.bench", ["--nproc", "1", "--memcpy"], True)
+
+
+# ------------------------------------------------------------ the reader's own scripts
+
+#: The commands that run a script a page has the reader save, but those of the scripts
+#: tests/test_readme_kit.py runs with checks of its own.
+SCRIPT_RUNS = [r for r in reader_script_runs() if (r.page, r.block.line) not in KIT_BLOCKS]
+
+
+def _leading_literal(comment: str):
+    """``[True, True] where the core is built`` -> ([True, True],); None without one."""
+    for end in range(len(comment), 0, -1):
+        if comment[end - 1] in "])}'\"0123456789eE":
+            try:
+                return (ast.literal_eval(comment[:end]),)
+            except (ValueError, SyntaxError):
+                continue
+    return None
+
+
+def _script_argv(run: ScriptRun) -> list[str]:
+    if run.launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", *run.launcher_args,
+                run.name, *run.argv]
+    python = [sys.executable, run.name, *run.argv]
+    return [run.launcher, *run.launcher_args, *python] if run.launcher else python
+
+
+@pytest.mark.parametrize("run", SCRIPT_RUNS, ids=[r.id for r in SCRIPT_RUNS])
+def test_reader_script_command(run: ScriptRun):
+    if run.launcher in ("mpiexec", "mpirun") and shutil.which(run.launcher) is None:
+        pytest.skip(f"no {run.launcher} here")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **run.env, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    with tempfile.TemporaryDirectory(prefix="readme-script-") as folder:
+        Path(folder, run.name).write_text(run.block.text)
+        done = subprocess.run(_script_argv(run), cwd=folder, env=env, text=True,
+                              capture_output=True, timeout=BLOCK_TIMEOUT)
+    assert done.returncode == 0, (f"{run.where}: `{run.source}` exited with "
+                                  f"{done.returncode}\n{done.stderr[-3000:]}")
+    stated = _leading_literal(run.stated)
+    if stated is not None:
+        last = done.stdout.strip().splitlines()[-1]
+        assert ast.literal_eval(last) == stated[0], (
+            f"{run.where}: `{run.source}` printed {last!r}, the page says {stated[0]!r}")
+
+
+def test_the_reader_script_finder():
+    # hello.py under each launcher (docs/launching.md), which_path.py with a variable
+    # (docs/compiled-core.md): the kinds of command the finder must keep seeing
+    kinds = {(r.name, r.launcher, bool(r.env)) for r in SCRIPT_RUNS}
+    assert {("hello.py", ""), ("hello.py", "mpiexec"), ("hello.py", "torchrun")} <= {
+        (name, launcher) for name, launcher, _ in kinds}, kinds
+    assert ("which_path.py", "", True) in kinds, kinds
+    assert not any(r.name == "check_my_all_reduce.py" for r in SCRIPT_RUNS)   # the kit's
+    assert _leading_literal("[True, True] where the core is built") == ([True, True],)
+    assert _leading_literal("starts 2 local ranks") is None
