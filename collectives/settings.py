@@ -11,9 +11,10 @@ other module of ``collectives``, ``backends`` or ``parallel`` spells a variable'
 ``COLLECTIVES_*`` variable the table does not know, naming the nearest known one: a typo
 in a tuning variable would otherwise be ignored in silence.
 
-The documentation's table of variables is this module's output::
+The documentation site's table of variables (docs/settings.md) is generated from this
+table when the site is built; in a terminal::
 
-    python -m collectives.settings            # Markdown, as in docs/settings.md
+    python -m collectives.settings            # the table, as Markdown
 
 Two ranks, both::
 
@@ -127,7 +128,19 @@ class Setting:
 
     @property
     def type_doc(self) -> str:
+        """The type as the documentation shows it: the kind, or the choices."""
         return " | ".join(self.choices) if self.choices else self.kind
+
+    @property
+    def default_text(self) -> str:
+        """The default as the documentation shows it (``default_doc`` where set)."""
+        if self.default_doc:
+            return self.default_doc
+        if self.default is None:
+            return "unset"
+        if isinstance(self.default, bool):
+            return "1" if self.default else "0"
+        return str(self.default) if self.default != [] else "none"
 
 
 def _s(name: str, kind: str, default: Any, scope: str, doc: str, **extra: Any) -> Setting:
@@ -317,10 +330,9 @@ def markdown_table() -> str:
     lines = ["| variable | type | default | read by | meaning |",
              "| --- | --- | --- | --- | --- |"]
     for s in SETTINGS:
-        default = s.default_doc or ("unset" if s.default is None else
-                                    "0" if s.default is False else "1" if s.default is True
-                                    else str(s.default) if s.default != [] else "none")
-        lines.append(f"| `{s.name}` | {s.type_doc} | {default} | {s.scope} | {s.doc} |")
+        cells = (f"`{s.name}`", s.type_doc, s.default_text, s.scope, s.doc)
+        # (a "|" inside a cell, as in the choices "auto | tcp", would end the cell)
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 

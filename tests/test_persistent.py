@@ -630,11 +630,11 @@ def test_bench_persistent_mode(tmp_path):
     assert "through persistent requests" in proc.stdout
 
 
-def test_readme_example_prints_what_the_readme_says(tmp_path):
-    """The README's "Persistent collectives" script, saved and run as a user would."""
+def test_docs_example_prints_what_the_page_says(tmp_path):
+    """docs/persistent.md's script, saved and run as a user would."""
     import re
 
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "persistent.md").read_text()
     at = readme.index("`persistent_allreduce.py`")
     blocks = re.compile(r"```(\w*)\n(.*?)\n```", re.S)
     script = blocks.search(readme, at)
