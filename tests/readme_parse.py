@@ -197,8 +197,20 @@ class Command:
         return f"{self.page} line {self.line}"
 
 
+def _quote_open(text: str) -> bool:
+    """True when ``text`` ends inside a quoted string (it goes on on the next line)."""
+    lexer = shlex.shlex(text, posix=True)
+    lexer.whitespace_split = True
+    try:
+        list(lexer)
+    except ValueError:
+        return True
+    return False
+
+
 def _logical_lines(block: Block) -> list[tuple[int, str]]:
-    """The block's lines with ``\\`` continuations joined, each with its page line."""
+    """The block's lines with ``\\`` continuations and quoted strings that span lines
+    (``python -c "...``) joined, each with its page line."""
     out: list[tuple[int, str]] = []
     pending, start = "", 0
     for offset, line in enumerate(block.text.splitlines()):
@@ -206,6 +218,9 @@ def _logical_lines(block: Block) -> list[tuple[int, str]]:
             start = block.line + offset
         if line.rstrip().endswith("\\"):
             pending += line.rstrip()[:-1] + " "
+            continue
+        if _quote_open(pending + line):
+            pending += line + "\n"
             continue
         out.append((start, pending + line))
         pending = ""
@@ -232,12 +247,30 @@ def _expand(text: str, loops: dict[str, list[str]]) -> list[str]:
     return expanded
 
 
+def _take_subshells(text: str) -> tuple[str, list[str]]:
+    """``text`` with every ``$(...)`` (parentheses inside balanced, e.g. a
+    ``python -c 'print(f())'``) replaced by a space, and the subshells' commands."""
+    inner: list[str] = []
+    out, i = [], 0
+    while (start := text.find("$(", i)) >= 0:
+        depth, j = 0, start + 1
+        while j < len(text):
+            depth += {"(": 1, ")": -1}.get(text[j], 0)
+            if depth == 0:
+                break
+            j += 1
+        out.append(text[i:start] + " ")
+        inner.append(text[start + 2:j])
+        i = j + 1
+    out.append(text[i:])
+    return "".join(out), inner
+
+
 def _segments(text: str) -> list[list[str]]:
     """The simple commands of one shell line: subshells ``$(...)`` taken out as
     commands of their own, ``for ... do``/``done`` and redirections dropped, split at
     ``&&``, ``;``, ``|``; ``#`` comments removed."""
-    inner = re.findall(r"\$\(([^()]*)\)", text)
-    text = re.sub(r"\$\([^()]*\)", " ", text)
+    text, inner = _take_subshells(text)
     text = re.sub(r"\bfor\s+\w+\s+in\s+[^;\n]*;\s*do\b|\bdone\b|\bdo\b", " ", text)
     segments: list[list[str]] = []
     for part in [text, *inner]:
