@@ -3,7 +3,7 @@
 ``tests/test_doctests.py`` runs them; this module only finds them:
 
 - every module file of ``collectives``, ``backends``, ``parallel`` and ``examples/common``
-  (``__main__`` modules, which run a command when imported, excepted) is imported and
+  (a ``__main__`` module only where its command is guarded by ``__name__``) is imported and
   searched with ``doctest.DocTestFinder``: one :class:`DocCase` per docstring that holds
   examples;
 - ``local`` cases run in the test's own process, as ``python -m doctest`` would, with
@@ -65,15 +65,19 @@ class DocCase:
         return f"{Path(self.test.filename).relative_to(ROOT)}:{line}"
 
 
+def module_files() -> list[Path]:
+    """The files searched: every module of the packages; a ``__main__.py`` only where
+    its command runs under ``if __name__ == "__main__":`` (importing it then runs none)."""
+    return [path for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))
+            if path.name != "__main__.py" or '__name__ == "__main__"' in path.read_text()]
+
+
 def module_names() -> list[str]:
     """The dotted names of the modules searched, in file order."""
     names = []
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            if path.name == "__main__.py":
-                continue
-            parts = path.relative_to(ROOT).with_suffix("").parts
-            names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    for path in module_files():
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
     return names
 
 
@@ -109,9 +113,7 @@ def skipped_examples(cases: list[DocCase]) -> list[tuple[str, str]]:
 
 def prompts_in_sources() -> int:
     """``>>>`` lines in the searched files: each should be an example a case holds."""
-    return sum(len(PROMPT.findall(path.read_text()))
-               for package in PACKAGES for path in (ROOT / package).rglob("*.py")
-               if path.name != "__main__.py")
+    return sum(len(PROMPT.findall(path.read_text())) for path in module_files())
 
 
 def _only_defines(source: str) -> bool:
