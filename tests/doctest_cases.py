@@ -137,6 +137,6 @@ def script_of(case: DocCase) -> str:
             "    import doctest, sys\n"
             f"    test = doctest.DocTestParser().get_doctest({case.test.docstring!r}, "
             f"{{}}, {case.name!r}, {case.test.filename!r}, {case.test.lineno!r})\n"
-            "    test.globs = globals()   # not a copy: what examples define is __main__'s\n"
+            "    test.globs = globals()   # not a copy: examples define in __main__\n"
             f"    runner = doctest.DocTestRunner(optionflags={OPTIONS})\n"
             "    sys.exit(1 if runner.run(test, clear_globs=False).failed else 0)\n")
