@@ -54,17 +54,21 @@ _log = logs.get_logger("group")
 class ProcessGroup:
     """A set of ranks that communicate. Ranks are local to the group: ``0 .. size-1``.
 
-    Two ranks, each running::
+    Two ranks, each running ``step`` (under torchrun or mpirun, call it directly):
 
-        import numpy as np, collectives
-        pg = collectives.init_process_group()          # rank and size from the launcher
-        t = np.full(4, pg.rank + 1.0, np.float32)
-        pg.all_reduce(t)                               # both ranks: [3, 3, 3, 3]
-        if pg.rank == 0:
-            pg.send(t, dst=1)
-        else:
-            pg.recv(t, src=0)
-        pg.close()
+    >>> import numpy as np, collectives
+    >>> def step():
+    ...     pg = collectives.init_process_group()      # rank and size from the launcher
+    ...     t = np.full(4, pg.rank + 1.0, np.float32)
+    ...     pg.all_reduce(t)                           # both ranks: [3, 3, 3, 3]
+    ...     if pg.rank == 0:
+    ...         pg.send(t * 2, dst=1)
+    ...     else:
+    ...         pg.recv(t, src=0)                      # rank 1: [6, 6, 6, 6]
+    ...     pg.close()
+    ...     return t.tolist()
+    >>> collectives.spawn(step, 2)
+    [[3.0, 3.0, 3.0, 3.0], [6.0, 6.0, 6.0, 6.0]]
 
     ``ProcessGroup(backend)`` wraps any :class:`~collectives.backend.Backend`;
     ``init_process_group`` does it for the registered ones.

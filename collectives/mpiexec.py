@@ -20,8 +20,8 @@ def find_mpiexec() -> str:
     """The path of the ``mpiexec`` to use, or :class:`MpiexecUnavailable` when there is
     none or mpi4py is missing.
 
-    >>> find_mpiexec()  # doctest: +SKIP
-    '/usr/local/bin/mpiexec'
+    >>> os.path.basename(find_mpiexec())    # where mpi4py and an MPI are installed
+    'mpi...'
     """
     if importlib.util.find_spec("mpi4py") is None:
         raise MpiexecUnavailable("needs mpi4py (pip install 'collectives[mpi]')")

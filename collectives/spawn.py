@@ -200,14 +200,15 @@ def spawn(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
     ``backend`` chosen here and the group ``timeout`` (seconds or a ``timedelta``) in its
     environment. ``join_timeout`` bounds the whole job. Bad arguments are refused here,
     before any rank starts: ``TypeError``/``ValueError`` naming ``spawn`` and the argument
-    (an unknown ``backend`` lists those available). Example with two ranks::
+    (an unknown ``backend`` lists those available). Example with two ranks:
 
-        def work():
-            pg = collectives.init_process_group()
-            t = np.array([pg.rank + 1.0]); pg.all_reduce(t); pg.close()
-            return float(t[0])
-
-        collectives.spawn(work, 2)   # [3.0, 3.0]
+    >>> import numpy as np, collectives
+    >>> def work():
+    ...     pg = collectives.init_process_group()
+    ...     t = np.array([pg.rank + 1.0]); pg.all_reduce(t); pg.close()
+    ...     return float(t[0])
+    >>> collectives.spawn(work, 2)
+    [3.0, 3.0]
 
     Under torchrun or mpirun this process is one rank of a world already, and spawning
     would start a separate local world inside every rank: ``spawn`` refuses with a

@@ -14,11 +14,19 @@ class Work(abc.ABC):
     raises :class:`CollectiveTimeout` when it is still running after ``timeout`` seconds
     (the operation itself goes on).
 
-    Two ranks::
+    Two ranks:
 
-        work = pg.all_reduce(t, async_op=True)   # both ranks
-        compute_something_else()
-        work.wait()                                # t now holds the sum
+    >>> import numpy as np, collectives
+    >>> def overlap():
+    ...     pg = collectives.init_process_group()
+    ...     t = np.full(3, pg.rank + 1.0)
+    ...     work = pg.all_reduce(t, async_op=True)   # both ranks
+    ...     squares = [i * i for i in range(1000)]   # computed while it runs
+    ...     work.wait()                              # t now holds the sum
+    ...     pg.close()
+    ...     return t.tolist()
+    >>> collectives.spawn(overlap, 2)
+    [[3.0, 3.0, 3.0], [3.0, 3.0, 3.0]]
     """
 
     @abc.abstractmethod

@@ -84,6 +84,22 @@ class DistributedDataParallel(nn.Module):
     """Wrap ``module`` so that ``loss.backward()`` leaves in every ``.grad`` the average of
     the ranks' gradients.
 
+    Two ranks, each with its own batch:
+
+    >>> import torch, collectives
+    >>> from parallel import DDP
+    >>> def step():
+    ...     pg = collectives.init_process_group()
+    ...     torch.manual_seed(pg.rank)                  # two different replicas...
+    ...     model = DDP(torch.nn.Linear(4, 1), pg)      # ...made rank 0's at construction
+    ...     x = torch.full((2, 4), pg.rank + 1.0)       # rank 0 sums 2 per input, rank 1 4
+    ...     model(x).sum().backward()                   # .grad: the ranks' average
+    ...     grad = model.module.weight.grad.tolist()
+    ...     pg.close()
+    ...     return grad
+    >>> collectives.spawn(step, 2)
+    [[[3.0, 3.0, 3.0, 3.0]], [[3.0, 3.0, 3.0, 3.0]]]
+
     Args:
         module: the replica; it has the same parameters (names, shapes, dtypes) on every
             rank, checked at construction.

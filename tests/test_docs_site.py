@@ -9,6 +9,7 @@ The build is the README's command, into a temporary folder::
 
 from __future__ import annotations
 
+import argparse
 import html
 import re
 import subprocess
@@ -25,7 +26,8 @@ pytest.importorskip("sphinx", reason="sphinx is not installed (pip install -e '.
 pytest.importorskip("myst_parser",
                     reason="myst-parser is not installed (pip install -e '.[docs]')")
 
-from collectives_docs.parsers import has_command_line  # noqa: E402
+from collectives_docs.parsers import (  # noqa: E402
+    capture_parser, describe, has_command_line, script_start)
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +94,28 @@ def test_the_api_reference_documents_the_public_names(site):
             assert f"collectives.{name}" in page, name
     for name in ("DistributedDataParallel", "FullyShardedDataParallel", "DeviceMesh"):
         assert f"parallel.{name}" in page, name
+
+
+def test_a_command_line_is_read_without_running_the_command(tmp_path):
+    # The reference reads each script's parser by starting the script and stopping it at
+    # its parse: the work after it (here, writing a file) must never happen.
+    done = tmp_path / "ran"
+    script = tmp_path / "tool.py"
+    script.write_text(
+        "import argparse, pathlib\n"
+        "if __name__ == '__main__':\n"
+        "    p = argparse.ArgumentParser(prog='tool', description='Does X.\\n\\nMore.')\n"
+        "    p.add_argument('--size', default='4K', help='bytes (default: %(default)s)')\n"
+        "    p.add_argument('--fast', action='store_true', help='go fast')\n"
+        "    p.parse_args()\n"
+        f"    pathlib.Path({str(done)!r}).write_text('work')\n")
+    original, argv = argparse.ArgumentParser.parse_known_args, sys.argv[:]
+    parser = capture_parser(script_start(script))
+    assert argparse.ArgumentParser.parse_known_args is original and sys.argv == argv
+    assert not done.exists(), "the command ran past its parser"
+    described = describe(parser)
+    assert described["prog"] == "tool" and described["description"].startswith("Does X.")
+    size, fast = described["arguments"]
+    assert size["flags"] == ["--size"] and size["default"] == "4K"
+    assert size["help"] == "bytes (default: 4K)"
+    assert fast["metavar"] is None and fast["default"] is None

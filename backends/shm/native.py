@@ -5,12 +5,15 @@ own build (``pip install -e .``, or ``python setup.py build_ext --inplace``) whe
 compiler and the Python headers are present. Where it is missing, the shm backend uses
 its Python path, which speaks the same protocol, and says so once per process.
 ``COLLECTIVES_SHM_NATIVE=0`` forces the Python path (``1``, the default, uses the core
-where it exists). ``pg.native`` tells which path a group uses::
+where it exists). ``pg.transport.native`` tells which path a group uses::
 
     >>> import collectives
-    >>> def which(pg):
-    ...     return pg.native            # True on every rank where the core is loaded
-    >>> collectives.spawn(which, 2, backend="shm")   # doctest: +SKIP
+    >>> def which():
+    ...     pg = collectives.init_process_group()
+    ...     native = pg.transport.native   # True where the core is loaded
+    ...     pg.close()
+    ...     return native
+    >>> collectives.spawn(which, 2, backend="shm")
     [True, True]
 
 The wait policy knows the machine, as MPICH's does: with a core per rank (the cores this

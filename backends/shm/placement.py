@@ -12,13 +12,16 @@ would; closing the group gives the process its cores back.
 ``COLLECTIVES_SHM_BIND``: ``auto`` (the default) binds only when the group's ranks
 outnumber the cores and the process may still run on more than one (a launcher or
 ``taskset`` that already placed it is obeyed); ``core`` binds whenever there is more than
-one core to choose from; ``none`` never binds. ``pg.bound_core`` tells the choice
+one core to choose from; ``none`` never binds. ``pg.transport.bound_core`` tells the choice
 (None where the rank was left where it was)::
 
     >>> import collectives
     >>> def where():
-    ...     return collectives.init_process_group().bound_core
-    >>> collectives.spawn(where, 2, backend="shm")   # doctest: +SKIP
+    ...     pg = collectives.init_process_group()
+    ...     core = pg.transport.bound_core
+    ...     pg.close()
+    ...     return core
+    >>> collectives.spawn(where, 2, backend="shm")   # on 2 cores or more
     [None, None]
     >>> collectives.spawn(where, 4, backend="shm")   # on 2 cores  # doctest: +SKIP
     [0, 1, 0, 1]

@@ -18,9 +18,12 @@ and checks, in order:
 A failure raises :class:`ScheduleError` (a ``ValueError``) whose message holds the
 rank-by-step grid with the offending action marked ``[like this]``::
 
+    >>> from parallel.pp import check_schedule, one_f_one_b
     >>> bad = one_f_one_b(2, 2); bad[1][1], bad[1][2] = bad[1][2], bad[1][1]
     >>> check_schedule(bad, 2, 2)
-    ScheduleError: pp.check_schedule: rank 1 step 1: 1B0 comes before 1F0 on its rank
+    Traceback (most recent call last):
+    parallel.pp.checker.ScheduleError: pp.check_schedule: rank 1 step 1: 1B0 comes before
+    1F0 on its rank
     rank 0 | 0F0  0F1   .   0B0   .   0B1
     rank 1 |  .  [1B0] 1F0  1F1  1B1   .
 """

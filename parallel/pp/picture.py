@@ -5,6 +5,7 @@ measured run: per rank, a list of ``(action, start_s, end_s)`` (what
 :attr:`parallel.pp.runtime.PipelineSchedule.timeline` records, or
 :func:`timeline_from_trace` reads back from an example's ``--trace`` file)::
 
+    >>> from parallel.pp import draw_png, gpipe, text_grid
     >>> print(text_grid(gpipe(2, 2)))
     rank 0 | 0F0  0F1   .    .   0B0  0B1
     rank 1 |  .   1F0  1F1  1B0  1B1   .

@@ -13,6 +13,7 @@ from a schedule with a cost per action (:func:`replay`). Two measures of waste:
 
 Two ranks, one micro-batch, backward twice the forward::
 
+    >>> from parallel.pp import gpipe, pipeline_bubble, replay
     >>> replay(gpipe(2, 1), 2, lambda a: 1 + (a.kind == "B"))
     [[(Action('0F0'), 0.0, 1.0), (Action('0B0'), 4.0, 6.0)],
      [(Action('1F0'), 1.0, 2.0), (Action('1B0'), 2.0, 4.0)]]

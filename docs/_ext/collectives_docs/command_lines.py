@@ -67,7 +67,8 @@ class CommandLines(SphinxDirective):
         return result
 
     def _section(self, title: str) -> nodes.section:
-        section = nodes.section(ids=[nodes.make_id(title)], names=[nodes.fully_normalize_name(title)])
+        section = nodes.section(ids=[nodes.make_id(title)],
+                                names=[nodes.fully_normalize_name(title)])
         section += nodes.title(text=title)
         self.state.document.note_implicit_target(section, section)
         return section

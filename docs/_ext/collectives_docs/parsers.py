@@ -37,8 +37,8 @@ class _Captured(BaseException):
         self.parser = parser
 
 
-def _capture(*_: Any, **__: Any) -> None:
-    raise _Captured(_[0])
+def _capture(parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+    raise _Captured(parser)
 
 
 def _timeout(*_: Any) -> None:
@@ -49,6 +49,7 @@ def capture_parser(start: Callable[[], Any]) -> argparse.ArgumentParser:
     """The first parser ``start()`` parses its arguments with; ``LookupError`` if it
     returns without parsing any."""
     original = argparse.ArgumentParser.parse_known_args
+    argv = sys.argv[:]   # (a start sets the command's own)
     argparse.ArgumentParser.parse_known_args = _capture   # type: ignore[method-assign]
     previous = signal.signal(signal.SIGALRM, _timeout)
     signal.alarm(PATIENCE_S)
@@ -61,6 +62,7 @@ def capture_parser(start: Callable[[], Any]) -> argparse.ArgumentParser:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
         argparse.ArgumentParser.parse_known_args = original  # type: ignore[method-assign]
+        sys.argv = argv
     raise LookupError("parsed no arguments")
 
 
@@ -102,21 +104,24 @@ def describe(parser: argparse.ArgumentParser) -> dict:
             "subcommands": subcommands}
 
 
-def _script(path: Path) -> Callable[[], Any]:
+def script_start(path: Path) -> Callable[[], Any]:
+    """Start the script at ``path`` as ``python PATH`` would."""
     def start() -> Any:
         sys.argv = [str(path)]
         return runpy.run_path(str(path), run_name="__main__")
     return start
 
 
-def _subcommand(name: str) -> Callable[[], Any]:
+def subcommand_start(name: str) -> Callable[[], Any]:
+    """Start ``collectives NAME``."""
     def start() -> Any:
         from collectives import cli
         return cli.main([name])
     return start
 
 
-def _module(name: str) -> Callable[[], Any]:
+def module_start(name: str) -> Callable[[], Any]:
+    """Start ``python -m NAME``."""
     def start() -> Any:
         sys.argv = [name]
         return runpy.run_module(name, run_name="__main__", alter_sys=True)
@@ -135,12 +140,13 @@ def commands(root: Path) -> list[tuple[str, str, Callable[[], Any]]]:
     from collectives import cli
 
     found: list[tuple[str, str, Callable[[], Any]]] = [
-        ("collectives", f"collectives {name}", _subcommand(name)) for name in cli.COMMANDS]
-    found.append(("collectives", "python -m parallel.ft", _module("parallel.ft")))
+        ("collectives", f"collectives {name}", subcommand_start(name))
+        for name in cli.COMMANDS]
+    found.append(("collectives", "python -m parallel.ft", module_start("parallel.ft")))
     for group in ("examples", "benchmarks"):
         for path in sorted((root / group).glob("*.py")):
             if has_command_line(path.read_text()):
-                found.append((group, f"{group}/{path.name}", _script(path)))
+                found.append((group, f"{group}/{path.name}", script_start(path)))
     return found
 
 

@@ -43,7 +43,9 @@ class Sections(TocTree):
     def run(self) -> list[nodes.Node]:
         # Re-read the home page on every build: the set of pages may have changed.
         self.env.note_reread()
-        here = self.env.current_document.docname
+        # (Sphinx 8.2 moved it to env.current_document; Python 3.10 gets Sphinx 8.1)
+        current = getattr(self.env, "current_document", None)
+        here = current.docname if current is not None else self.env.docname
         found = set(self.env.found_docs)
         sections = parse_sections(list(self.content))
         named = {page for _, pages in sections for page in pages}

@@ -12,7 +12,8 @@ Cell = Union[str, nodes.Node]
 def _entry(cell: Cell) -> nodes.entry:
     entry = nodes.entry()
     if isinstance(cell, nodes.Node):
-        entry += cell if isinstance(cell, nodes.paragraph) else nodes.paragraph("", "", cell)
+        entry += cell if isinstance(cell, nodes.paragraph) else \
+            nodes.paragraph("", "", cell)
     else:
         entry += nodes.paragraph(text=cell)
     return entry
