@@ -77,19 +77,41 @@ def _leader_all_reduce(b: "HierBackend", a: np.ndarray, op: ReduceOp) -> None:
         b.on_host("broadcast", a, 0)
 
 
+#: A split all_reduce runs in at most this many pieces.
+MAX_PIECES = 16
+
+
+def pieces(b: "HierBackend", nbytes: int) -> int:
+    """How many pieces a split all_reduce of ``nbytes`` runs in: one per
+    ``COLLECTIVES_HIER_PIECE_BYTES``, 1 to :data:`MAX_PIECES`."""
+    return max(1, min(MAX_PIECES, nbytes // b.piece_bytes))
+
+
 def _split_all_reduce(b: "HierBackend", a: np.ndarray, op: ReduceOp) -> None:
+    """Pipelined: piece p's step between hosts runs on the column group's thread while
+    this thread reduce-scatters piece p+1 and all-gathers piece p-1 in the host, so the
+    network is never idle for the host's steps (the same order of calls on every rank)."""
     L = len(b.topo.local_ranks)
     n = a.size
-    s = -(-n // L)                            # shard length; the last one padded
+    count = pieces(b, a.nbytes)
+    s = -(-n // (count * L))                  # one rank's shard of one piece
+    span = s * L                              # one piece, padded to a multiple of L
     whole = a
-    if s * L != n:
-        whole = b.scratch("whole", s * L, a.dtype)
+    if span * count != n:                     # (then the last piece is padded)
+        whole = b.scratch("whole", span * count, a.dtype)
         whole[:n] = a
         whole[n:] = 0
-    shard = b.scratch("shard", s, a.dtype)
-    b.on_host("reduce_scatter", shard, whole, op)
-    b.on_column("all_reduce", shard, op)
-    b.on_host("all_gather", whole, shard)
+    shards = b.scratch("shard", s * count, a.dtype)
+    works = []
+    for p in range(count + 1):
+        if p < count:
+            b.on_host("reduce_scatter", shards[p * s:(p + 1) * s],
+                      whole[p * span:(p + 1) * span], op)
+            works.append(b.column_start("all_reduce", shards[p * s:(p + 1) * s], op))
+        if p > 0:
+            q = p - 1
+            b.column_wait(works[q])
+            b.on_host("all_gather", whole[q * span:(q + 1) * span], shards[q * s:(q + 1) * s])
     if whole is not a:
         a[...] = whole[:n]
 

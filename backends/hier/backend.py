@@ -65,6 +65,7 @@ class HierBackend(Backend):
         self.net_name = net_name
         self.world_ranks = tuple(world_ranks)
         self.split_bytes: int = settings.HIER_SPLIT_BYTES.get()
+        self.piece_bytes: int = settings.HIER_PIECE_BYTES.get()
         #: This rank's column (even hosts: the ranks with its local index; uneven: the
         #: leaders, for the leaders only), or None.
         self.column: Optional[ProcessGroup] = None
@@ -102,6 +103,23 @@ class HierBackend(Backend):
         """Collective ``name`` of this rank's column (between hosts), its failure lifted."""
         try:
             getattr(self.column, name)(*args)
+        except CollectiveError as exc:
+            raise self._lift(exc, "between hosts", self.column_ranks, self._column_peer) \
+                from exc
+
+    def column_start(self, name: str, *args: Any) -> Work:
+        """Start collective ``name`` of this rank's column on its own thread; wait with
+        :meth:`column_wait`."""
+        try:
+            return getattr(self.column, name)(*args, async_op=True)
+        except CollectiveError as exc:
+            raise self._lift(exc, "between hosts", self.column_ranks, self._column_peer) \
+                from exc
+
+    def column_wait(self, work: Work) -> None:
+        """Wait for a Work of :meth:`column_start`, its failure lifted."""
+        try:
+            work.wait()
         except CollectiveError as exc:
             raise self._lift(exc, "between hosts", self.column_ranks, self._column_peer) \
                 from exc
@@ -270,11 +288,15 @@ class HierBackend(Backend):
         leader = ("one rank per host: reduce in the host (shm), all_reduce among the "
                   "hosts' leaders, broadcast in the host")
         even, split = self.topo.even, self.topo.even and len(self.topo.local_ranks) > 1
+        split_text = ("reduce-scatter in the host, all_reduce of each shard across hosts "
+                      "by its column, all-gather in the host")
         default = "send/recv algorithms over the direct routes (shm in a host, else the network)"
         return PathTable({
             "all_reduce": ([Path(leader, self.split_bytes, settings.HIER_SPLIT_BYTES.name),
-                            Path("reduce-scatter in the host, all_reduce of each shard "
-                                 "across hosts by its column, all-gather in the host")]
+                            Path(f"{split_text}, in one piece", 2 * self.piece_bytes,
+                                 f"2 x {settings.HIER_PIECE_BYTES.name}"),
+                            Path(f"{split_text}, pipelined in 2 to {algorithms.MAX_PIECES} "
+                                 f"pieces")]
                            if split else [Path(leader)]),
             "broadcast": [Path("across hosts in the root's column, then in each host" if even
                                else "in the root's host, among the leaders, in each host")],
