@@ -173,17 +173,29 @@ class HierBackend(Backend):
             raise
 
     def _break(self) -> None:
-        for part in self._parts:
-            try:
-                part.abort(f"a collective of the hier group failed on rank {self.rank}")
-            except Exception:  # noqa: BLE001 - the error being raised matters more
-                pass
+        """A collective failed here: abort this host's group (its ranks' waits for this
+        one fail at once, naming it) and this rank's column (zmq tells its members); the
+        network group itself stays, so that a peer that died is told from one that left
+        (a rank that aborts looks dead to its peers)."""
+        reason = f"a collective of the hier group failed on rank {self.rank}"
+        for part in (self.local, self.column):
+            if part is not None:
+                try:
+                    part.abort(reason)
+                except Exception:  # noqa: BLE001 - the error being raised matters more
+                    pass
 
     @property
     def one_host(self) -> bool:
         return self.net is None
 
     # ------------------------------------------------------------- point to point
+    def route(self, peer: int) -> str:
+        """The transport a message to or from ``peer`` takes: ``"shm"`` on this host,
+        the network's name (``"zmq"``) across hosts."""
+        transport = self._routes[peer][0]
+        return "shm" if transport is self.local.transport else self.net_name
+
     def isend(self, array: np.ndarray, dst: int, tag: int) -> Work:
         transport, peer = self._routes[dst]
         return transport.isend(array, peer, tag)
@@ -326,4 +338,5 @@ class HierBackend(Backend):
         self._scratch.clear()
 
     def abort(self) -> None:
-        self._break()
+        for part in self._parts:
+            part.abort("the hier group was aborted")
