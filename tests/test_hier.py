@@ -187,3 +187,23 @@ def test_a_rank_killed_on_the_other_host_is_named_and_nobody_hangs():
             f"rank {r}: {outcomes[r]}"
     print("\n".join(f"rank {r}: {outcomes[r]}" for r in (0, 2, 3)))
     assert not world.leftovers, f"left behind: {world.leftovers}"
+
+
+# ------------------------------------------------------------------ the documentation
+@pytest.mark.timeout(180)
+def test_the_documentation_example_runs_as_written(tmp_path):
+    """The python block of docs/hierarchical.md prints what its comment says."""
+    import re
+    import subprocess
+    page = (Path(__file__).resolve().parent.parent / "docs" / "hierarchical.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, re.S)
+    assert len(blocks) == 1, "docs/hierarchical.md: expected one python block"
+    script = tmp_path / "example.py"
+    script.write_text(blocks[0])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVES_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=150, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = re.search(r"# (\('hier'.*\))", blocks[0]).group(1)
+    assert done.stdout.splitlines() == [expected] * 4, done.stdout

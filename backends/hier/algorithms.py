@@ -2,9 +2,10 @@
 network, over *columns*: the ranks with the same local index on every host), a step
 inside each host again.
 
-Each function takes the :class:`~backends.hier.backend.HierBackend` ``b`` (its
-``topo``, and ``b.on_host``/``b.on_column``, which run a collective of the host's group
-or of this rank's column and say which part failed) and the flat buffers of the call.
+Each function takes the :class:`~backends.hier.backend.HierBackend` ``b`` (what it uses
+of it is :class:`TwoLevel`: its ``topo``, and ``b.on_host``/``b.on_column``, which run a
+collective of the host's group or of this rank's column and say which part failed) and
+the flat buffers of the call.
 
 Reduction order, so that every rank holds the same bits: an element is reduced exactly
 once, by one column (every rank of the host first combines in the host, in rank order;
@@ -33,16 +34,38 @@ among the leaders, broadcast in the host.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
+from collectives.algorithms import Links
 from collectives.reduce_op import ReduceOp, finish
+from collectives.work import Work
 
-if TYPE_CHECKING:   # (only for the annotations)
-    from .backend import HierBackend
+from .topology import Topology
 
-__all__ = ["all_reduce", "barrier", "broadcast", "reduce", "all_gather", "reduce_scatter"]
+__all__ = ["TwoLevel", "all_reduce", "barrier", "broadcast", "reduce", "all_gather",
+           "reduce_scatter"]
+
+
+class TwoLevel(Protocol):
+    """What these algorithms use of :class:`~backends.hier.backend.HierBackend`."""
+
+    topo: Topology
+    split_bytes: int
+    piece_bytes: int
+
+    def on_host(self, name: str, *args: Any) -> None: ...
+
+    def on_column(self, name: str, *args: Any) -> None: ...
+
+    def column_start(self, name: str, *args: Any) -> Work: ...
+
+    def column_wait(self, work: Work) -> None: ...
+
+    def scratch(self, role: str, count: int, dtype: np.dtype) -> np.ndarray: ...
+
+    def links(self, seq: int) -> Links: ...
 
 
 def _inner(op: ReduceOp) -> ReduceOp:
@@ -50,13 +73,13 @@ def _inner(op: ReduceOp) -> ReduceOp:
     return ReduceOp.SUM if op is ReduceOp.AVG else op
 
 
-def splits(b: "HierBackend", a: np.ndarray) -> bool:
+def splits(b: TwoLevel, a: np.ndarray) -> bool:
     """Whether all_reduce of ``a`` takes the split path (every rank drives a shard)."""
     t = b.topo
     return t.even and len(t.local_ranks) > 1 and a.nbytes >= b.split_bytes
 
 
-def all_reduce(b: "HierBackend", a: np.ndarray, op: ReduceOp) -> None:
+def all_reduce(b: TwoLevel, a: np.ndarray, op: ReduceOp) -> None:
     """``a`` = the reduction over every rank (see the module docstring)."""
     inner = _inner(op)
     if splits(b, a):
@@ -66,7 +89,7 @@ def all_reduce(b: "HierBackend", a: np.ndarray, op: ReduceOp) -> None:
     finish(op, a, b.topo.size)
 
 
-def _leader_all_reduce(b: "HierBackend", a: np.ndarray, op: ReduceOp) -> None:
+def _leader_all_reduce(b: TwoLevel, a: np.ndarray, op: ReduceOp) -> None:
     t = b.topo
     alone = len(t.local_ranks) == 1
     if not alone:
@@ -81,13 +104,13 @@ def _leader_all_reduce(b: "HierBackend", a: np.ndarray, op: ReduceOp) -> None:
 MAX_PIECES = 16
 
 
-def pieces(b: "HierBackend", nbytes: int) -> int:
+def pieces(b: TwoLevel, nbytes: int) -> int:
     """How many pieces a split all_reduce of ``nbytes`` runs in: one per
     ``COLLECTIVES_HIER_PIECE_BYTES``, 1 to :data:`MAX_PIECES`."""
     return max(1, min(MAX_PIECES, nbytes // b.piece_bytes))
 
 
-def _split_all_reduce(b: "HierBackend", a: np.ndarray, op: ReduceOp) -> None:
+def _split_all_reduce(b: TwoLevel, a: np.ndarray, op: ReduceOp) -> None:
     """Pipelined: piece p's step between hosts runs on the column group's thread while
     this thread reduce-scatters piece p+1 and all-gathers piece p-1 in the host, so the
     network is never idle for the host's steps (the same order of calls on every rank)."""
@@ -116,7 +139,7 @@ def _split_all_reduce(b: "HierBackend", a: np.ndarray, op: ReduceOp) -> None:
         a[...] = whole[:n]
 
 
-def barrier(b: "HierBackend") -> None:
+def barrier(b: TwoLevel) -> None:
     """In the host, among the leaders, in the host: nobody leaves before all arrived."""
     alone = len(b.topo.local_ranks) == 1
     if not alone:
@@ -127,7 +150,7 @@ def barrier(b: "HierBackend") -> None:
         b.on_host("barrier")
 
 
-def broadcast(b: "HierBackend", a: np.ndarray, root: int) -> None:
+def broadcast(b: TwoLevel, a: np.ndarray, root: int) -> None:
     """Across hosts in the root's column (even hosts: the ranks with the root's local
     index; uneven: the leaders, after a broadcast in the root's host), then in each
     host."""
@@ -145,7 +168,7 @@ def broadcast(b: "HierBackend", a: np.ndarray, root: int) -> None:
         b.on_host("broadcast", a, c)
 
 
-def reduce(b: "HierBackend", a: np.ndarray, root: int, op: ReduceOp, seq: int) -> None:
+def reduce(b: TwoLevel, a: np.ndarray, root: int, op: ReduceOp, seq: int) -> None:
     """Reduce to each host's leader, among the leaders to the root's host's leader, then
     to the root (if it is not that leader). Every other rank's ``a`` is unchanged."""
     t = b.topo
@@ -171,14 +194,14 @@ def reduce(b: "HierBackend", a: np.ndarray, root: int, op: ReduceOp, seq: int) -
         finish(op, a, t.size)
 
 
-def _column_major(b: "HierBackend") -> np.ndarray:
+def _column_major(b: TwoLevel) -> np.ndarray:
     """The ranks in the order the two-level all_gather delivers them: local index 0 of
     every host (in its column's order), then local index 1, ... (even hosts)."""
     t = b.topo
     return np.array([r for i in range(len(t.local_ranks)) for r in t.column(i)])
 
 
-def all_gather(b: "HierBackend", out: np.ndarray, inp: np.ndarray) -> None:
+def all_gather(b: TwoLevel, out: np.ndarray, inp: np.ndarray) -> None:
     """Even hosts: each rank gathers its column's inputs across hosts, the host gathers
     those, and one copy puts the blocks in rank order."""
     t = b.topo
@@ -190,7 +213,7 @@ def all_gather(b: "HierBackend", out: np.ndarray, inp: np.ndarray) -> None:
     out.reshape(t.size, m)[_column_major(b)] = staged.reshape(t.size, m)
 
 
-def reduce_scatter(b: "HierBackend", out: np.ndarray, inp: np.ndarray,
+def reduce_scatter(b: TwoLevel, out: np.ndarray, inp: np.ndarray,
                    op: ReduceOp) -> None:
     """Even hosts: reorder the blocks so that each local index gets its column's blocks,
     reduce-scatter in the host (the host's sums of those blocks), then across hosts in

@@ -24,6 +24,7 @@ Two ranks on each of two hosts::
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any, Optional, Sequence
 
@@ -31,7 +32,8 @@ import numpy as np
 
 from collectives import settings
 from collectives.backend import Backend, Capabilities
-from collectives.errors import (CollectiveError, CollectiveTimeout, GroupAborted, PeerError)
+from collectives.errors import (CollectiveError, CollectiveMismatch, CollectiveTimeout,
+                                GroupAborted, PeerError)
 from collectives.group import ProcessGroup
 from collectives.paths import Path, PathTable
 from collectives.reduce_op import ReduceOp
@@ -42,6 +44,8 @@ from .topology import Topology
 
 __all__ = ["HierBackend"]
 
+#: The group rank in zmq's report of an aborted sub-group ("rank 0 reported: ...").
+_REPORTER = re.compile(r"\brank (\d+) reported\b")
 #: Scratch buffers larger than this are not kept between calls.
 _KEEP_SCRATCH = 256 << 20
 
@@ -104,8 +108,7 @@ class HierBackend(Backend):
         try:
             getattr(self.column, name)(*args)
         except CollectiveError as exc:
-            raise self._lift(exc, "between hosts", self.column_ranks, self._column_peer) \
-                from exc
+            raise self._lift_column(exc) from exc
 
     def column_start(self, name: str, *args: Any) -> Work:
         """Start collective ``name`` of this rank's column on its own thread; wait with
@@ -113,16 +116,27 @@ class HierBackend(Backend):
         try:
             return getattr(self.column, name)(*args, async_op=True)
         except CollectiveError as exc:
-            raise self._lift(exc, "between hosts", self.column_ranks, self._column_peer) \
-                from exc
+            raise self._lift_column(exc) from exc
 
     def column_wait(self, work: Work) -> None:
         """Wait for a Work of :meth:`column_start`, its failure lifted."""
         try:
             work.wait()
         except CollectiveError as exc:
-            raise self._lift(exc, "between hosts", self.column_ranks, self._column_peer) \
-                from exc
+            raise self._lift_column(exc) from exc
+
+    def _lift_column(self, exc: CollectiveError) -> CollectiveError:
+        """A column's error lifted. zmq tells the members of an aborted sub-group with a
+        CollectiveMismatch ("rank k reported: ... the group was aborted"); in a column
+        that is a peer that left the call because of a failure elsewhere (``_break``):
+        a PeerError naming it."""
+        if isinstance(exc, CollectiveMismatch) and "group was aborted" in str(exc):
+            found = _REPORTER.search(str(exc))
+            peer = int(found.group(1)) if found else -1
+            exc = PeerError(str(exc), peer=peer if 0 <= peer < len(self.column_ranks) else -1)
+            return self._lift(exc, "between hosts", self.column_ranks,
+                              lambda p: self.column_ranks[p])
+        return self._lift(exc, "between hosts", self.column_ranks, self._column_peer)
 
     def _column_peer(self, peer: int) -> int:
         """This group's rank of the peer a column's error names: zmq names ranks of its
