@@ -172,3 +172,24 @@ def _unshare_anchors() -> set:
         except OSError:
             continue
     return found
+
+
+@needs_rig
+def test_jobs_on_the_rig_report_failures_and_time_out():
+    from collectives.testing.hosts_launch import JobFailed, run_ranks, summary
+    with HostRig(2) as rig:
+        outs = run_ranks(rig, ["sh", "-c", 'echo "$RANK $LOCAL_RANK $(hostname) $MASTER_ADDR"'])
+        lines = sorted(line for o in outs for line in o.stdout.splitlines())
+        assert lines == ["0 0 host0 host0", "1 1 host0 host0", "2 0 host1 host0",
+                         "3 1 host1 host0"]
+        with pytest.raises(ValueError, match="no host printed a JSON line"):
+            summary(outs)
+        with pytest.raises(JobFailed, match=r"2 ranks on host0, host1: failed") as info:
+            run_ranks(rig, ["sh", "-c", 'echo "rank $RANK says no" >&2; exit $RANK'],
+                      per_host=1)
+        assert "rank 1 says no" in str(info.value)
+        assert [o.returncodes for o in info.value.outputs] == [(0,), (1,)]
+        start = time.monotonic()
+        with pytest.raises(JobFailed, match="not finished within 1 s; every process was"):
+            run_ranks(rig, ["sleep", "60"], per_host=1, timeout=1)
+        assert time.monotonic() - start < 20 and rig.processes() == []
