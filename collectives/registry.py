@@ -29,6 +29,8 @@ _BUILTIN: dict[str, tuple[str, str | None]] = {
     "gloo": ("backends.torchdist.backend:create_gloo", "torch"),
     "nccl": ("backends.torchdist.nccl:create_nccl", "torch"),
     "torch": ("backends.torchdist.nccl:create_auto", "torch"),
+    # shm inside each host, zmq (or COLLECTIVES_HIER_NET) between hosts
+    "hier": ("backends.hier:create", "zmq"),
 }
 
 _INSTALL_HINT = {"zmq": "pip install 'collectives[zmq]'", "mpi": "pip install 'collectives[mpi]'"}

@@ -250,6 +250,20 @@ ZMQ_SCRATCH_KEEP_BYTES = _s("ZMQ_SCRATCH_KEEP_BYTES", "int", 256 << 20, "zmq",
 ZMQ_DIRECT_MAX_RANKS = _s("ZMQ_DIRECT_MAX_RANKS", "int", 8, "zmq",
                           "largest group that uses the one-round direct algorithms",
                           minimum=1)
+# hier (shm inside a host, a network transport between hosts)
+HOST = _s("HOST", "str", None, "hier",
+          "this process's host for the hier backend, or a comma-separated list of every "
+          "rank's host (virtual hosts on one machine)",
+          default_doc="hostname, boot id, /dev/shm, network namespace and user")
+HIER_NET = _s("HIER_NET", "choice", "zmq", "hier",
+              "the transport between hosts of the hier backend", choices=("zmq", "mpi", "gloo"))
+HIER_SPLIT_BYTES = _s("HIER_SPLIT_BYTES", "int", 64 << 10, "hier",
+                      "all_reduce splits a message among a host's ranks from this size "
+                      "(below: one rank per host talks to the other hosts)", minimum=0)
+HIER_PIECE_BYTES = _s("HIER_PIECE_BYTES", "int", 512 << 10, "hier",
+                      "a split all_reduce is pipelined in pieces of at least this size (at "
+                      "most 16): the host's steps of one overlap the network's of another",
+                      minimum=1)
 # mpi
 MPI_TUNE = _s("MPI_TUNE", "flag", True, "mpi",
               "make MPICH's own loops yield when ranks outnumber cores")

@@ -16,7 +16,8 @@ from typing import Optional, Union
 from . import logs, settings, trace
 from .backend import Backend
 from .group import ProcessGroup
-from .launch import default_backend, detect_rendezvous
+from .hosts import spans_hosts
+from .launch import Rendezvous, default_backend, detect_rendezvous
 from .regroup import connect, generation_rendezvous, regrouped
 from .registry import get_backend
 from .validation import timeout_seconds
@@ -55,6 +56,7 @@ def init_process_group(backend: Optional[str] = None, *, rank: Optional[int] = N
                 else "the default backend")
     else:
         name, what = backend, "argument `backend`"
+    name = across_hosts(name, rendezvous)
     factory = get_backend(name, where="init_process_group", what=what)
     _log.debug("rank %d of %d (launcher %s, job %s) meeting on %s, timeout %g s",
                rendezvous.rank, rendezvous.world_size, rendezvous.launcher,
@@ -78,6 +80,22 @@ def init_process_group(backend: Optional[str] = None, *, rank: Optional[int] = N
     return group
 
 
+def across_hosts(name: str, rendezvous: Rendezvous) -> str:
+    """``hier`` where ``name`` is ``shm`` and the world spans several hosts
+    (:func:`collectives.hosts.spans_hosts`): shm inside each host, the network between
+    them; ``name`` otherwise. Logged at info.
+
+    >>> across_hosts("zmq", Rendezvous(0, 4, 0, 2, "h0", 29500, "j", "torchrun"))
+    'zmq'
+    """
+    if name != "shm" or not spans_hosts(rendezvous):
+        return name
+    _log.info("the world of %d ranks spans several hosts: backend hier (shm inside each "
+              "host, %s between hosts) instead of shm", rendezvous.world_size,
+              settings.HIER_NET.get())
+    return "hier"
+
+
 def join_group(backend: Optional[str] = None, *, rank: int, world_size: int,
                generation: int, port: Optional[int] = None,
                timeout: Union[float, datetime.timedelta, None] = None) -> ProcessGroup:
@@ -97,5 +115,6 @@ def join_group(backend: Optional[str] = None, *, rank: int, world_size: int,
     base = detect_rendezvous()
     name = default_backend(base) if not backend else backend
     rendezvous = generation_rendezvous(base, rank, world_size, generation, port)
+    name = across_hosts(name, rendezvous)
     made = connect(name, rendezvous, seconds, "join_group")
     return regrouped(ProcessGroup, made, base, generation, "world")

@@ -58,8 +58,11 @@ _NOT_TESTED_HERE = {"nccl": "needs CUDA tensors; this suite passes host tensors"
 #: ``shm`` itself votes for its single-copy all_reduce whatever the kernel's speed, so that
 #: the path is under test on every machine (left to measure, a rank votes against it
 #: where the kernel copies slowly: backends/shm/cma.py).
+#: ``hier`` runs on virtual hosts (``COLLECTIVES_HOST``): 1 and 2 ranks on one host, 3
+#: ranks as 2 + 1 (uneven hosts), 4 as 2 hosts x 2 ranks.
 VARIANTS = {"shm-py": ("shm", {"COLLECTIVES_SHM_NATIVE": "0"}),
-            "shm": ("shm", {"COLLECTIVES_SHM_CMA": "1"})}
+            "shm": ("shm", {"COLLECTIVES_SHM_CMA": "1"}),
+            "hier": ("hier", {"COLLECTIVES_HOST": "h0,h0,h1,h1"})}
 _SLOW_VARIANT_SIZES = {"shm-py": (1, 3, 4)}
 
 _close_problems: list[str] = []

@@ -71,8 +71,10 @@ from .backend import ShmBackend
 __all__ = ["ShmBackend", "create"]
 
 
-def create(rendezvous: Rendezvous, timeout: float) -> ShmBackend:
-    """Connect this rank to the world of ``rendezvous`` through /dev/shm."""
+def create(rendezvous: Rendezvous, timeout: float, *, group: str = "world") -> ShmBackend:
+    """Connect this rank to the world of ``rendezvous`` through /dev/shm. ``group`` names
+    the segment within the job (the hier backend gives each host's ranks a name of their
+    own, so that virtual hosts on one machine stay apart)."""
     size = rendezvous.world_size
     if size > 1 and rendezvous.local_world_size != size:
         raise ValueError(
@@ -84,7 +86,7 @@ def create(rendezvous: Rendezvous, timeout: float) -> ShmBackend:
     try:
         # A re-formed group (collectives.regroup) meets in a segment of its generation,
         # named under the same job so that the launcher's clean-up finds it too.
-        key = "world" if not rendezvous.generation else f"world.gen{rendezvous.generation}"
+        key = group if not rendezvous.generation else f"{group}.gen{rendezvous.generation}"
         return ShmBackend.open(rendezvous.job_id, key, rendezvous.rank, size, timeout,
                                tuple(range(size)), place)
     except BaseException:

@@ -6,7 +6,9 @@ Usage: ``collectives.init_process_group("zmq")`` (or ``COLLECTIVES_BACKEND=zmq``
 
 Design
 ------
-Start-up. Rank 0 listens at ``MASTER_ADDR:MASTER_PORT`` (only during start-up). Every rank
+Start-up. Rank 0 listens at ``MASTER_ADDR:MASTER_PORT`` (only during start-up; under
+torchrun, whose agent serves its store there, at a free port rank 0 publishes in that store:
+see :mod:`backends.zeromq.torchrun`). Every rank
 binds one ROUTER socket on the address of the interface that routes to ``MASTER_ADDR``
 (found by ``connect()``-ing a UDP socket there; never ``0.0.0.0`` unless
 ``COLLECTIVES_ZMQ_BIND_ADDR`` says so) on an ephemeral port, plus an ``ipc://`` endpoint in

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from collectives import settings
+from collectives.hosts import file_text, namespace
 
 _UNIX_PATH_MAX = 100
 
@@ -83,27 +84,12 @@ def bind_ip(master: Master, env: Mapping[str, str]) -> tuple[str, str]:
     return forced, forced
 
 
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _ns(kind: str) -> str:
-    try:
-        return str(os.stat(f"/proc/self/ns/{kind}").st_ino)
-    except OSError:
-        return ""
-
-
 def host_key() -> str:
     """Equal for processes on one host as the network sees it: same machine (hostname and
     boot id), same network namespace (a container or a namespace is another host), same
     user. ipc:// is used between them when, in addition, the peer's socket file is the
     one this process sees at its path (:func:`ipc_identity`: same filesystem)."""
-    parts = [socket.gethostname(), _read("/proc/sys/kernel/random/boot_id"), _ns("net"),
+    parts = [socket.gethostname(), file_text("/proc/sys/kernel/random/boot_id"), namespace("net"),
              str(os.getuid())]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
 

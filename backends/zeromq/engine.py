@@ -23,7 +23,9 @@ Sockets (per rank)
     ``ipc://<private dir>/r<rank>``: every message *to* this rank arrives here; one
     DEALER per peer, connected to that peer's ROUTER: every message *from* this rank leaves
     through it (each pair of ranks thus has two connections, one per direction). Rank 0
-    also binds a ROUTER at ``MASTER_ADDR:MASTER_PORT`` for the start-up only.
+    also binds a ROUTER at ``MASTER_ADDR:MASTER_PORT`` for the start-up only (under
+    torchrun, whose agent holds that port, at a port it publishes in the agent's store:
+    :mod:`backends.zeromq.torchrun`).
 
 Threads
     none of our own. libzmq's I/O thread moves bytes; progress (reading the ROUTER,
@@ -63,7 +65,7 @@ from collectives import settings
 from collectives.errors import PeerError
 from collectives.work import Work
 
-from . import wire
+from . import torchrun, wire
 from .addresses import resolve_master
 from .calls import Call, PartsWork, Recv, RecvWork, SendWork
 from .connections import Connections
@@ -104,9 +106,10 @@ class Engine:
 
     def _start(self, rdzv: Any, env: Mapping[str, str]) -> None:
         """Open the sockets and authenticate a connection to and from every peer."""
-        master = resolve_master(rdzv.master_addr, rdzv.master_port, f"{self._where0} init")
         init_timeout = settings.ZMQ_INIT_TIMEOUT.get(env) or max(self.timeout,
                                                                  MIN_INIT_TIMEOUT)
+        rdzv = torchrun.own_port(rdzv, env, init_timeout)  # the agent holds MASTER_PORT
+        master = resolve_master(rdzv.master_addr, rdzv.master_port, f"{self._where0} init")
         self._handshake.choose_key(rdzv, env, master)
         self._connections.open(master, env)
         self._handshake.run(init_timeout, drain=self._progress.drain)

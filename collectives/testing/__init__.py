@@ -11,6 +11,10 @@
   :func:`check_algorithm` over a collective algorithm of your own, on every backend.
 - :mod:`~collectives.testing.threads` (when present): :func:`run_threads`, a world of
   threads in one process, for checking algorithms with no processes at all.
+- :mod:`~collectives.testing.hosts`: :class:`HostRig`, several emulated hosts on one Linux
+  machine (namespaces: own hostname, ``/dev/shm`` and address, a rate-limited link; root
+  only), and :mod:`~collectives.testing.hosts_launch` to start torchrun, mpiexec or plain
+  ranks across them.
 
 Check a backend (or the default algorithms over its point to point) in one call::
 

@@ -1,0 +1,166 @@
+"""all_reduce across emulated hosts: ``hier`` (shm inside a host, zmq between hosts) against
+flat ``zmq`` and torch.distributed's gloo, on a rig of network namespaces whose links are
+limited to a rate (collectives.testing.hosts); then examples/ddp.py's training time over
+hier and over flat zmq on the same rig. Needs root.
+
+    python benchmarks/hosts_allreduce.py                        # 2 hosts x 2 ranks, 1 Gbit/s
+    python benchmarks/hosts_allreduce.py --sizes 1,4,16,64 --repeat 3 --json hosts.json
+    python benchmarks/hosts_allreduce.py --rate 10gbit --ddp-epochs 0   # all_reduce only
+
+Every rank of a case is started fresh (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR``... as torchrun sets them), ranks 0..N-1 on the first host, the next N on the
+second. Per size, after a barrier and warm-up calls, rank 0 times each call separately
+(the next starts when the previous returned on rank 0) and takes the median; the
+result is checked once on every rank. The cases take turns round by round (``--repeat``),
+so the machine's changing load hits them alike, and the median round is reported.
+busbw = bytes x 2(n-1)/n / time, n the world size (the traffic of a ring on every link;
+nccl-tests' definition). gloo is driven through torch.distributed directly (no wrapper of
+ours in the way); float32 torch tensors throughout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from collectives.testing.hosts import HostRig, parse_rate, rig_unavailable  # noqa: E402
+from collectives.testing.hosts_launch import run_ranks, summary  # noqa: E402
+
+IMPLS = ("hier", "zmq", "gloo")
+MIB = 1 << 20
+
+
+def _iterations(nbytes: int) -> int:
+    """Enough calls for a stable median, few enough at 1 Gbit/s (64 MiB: ~1 s a call)."""
+    return 12 if nbytes <= 2 * MIB else 6 if nbytes <= 16 * MIB else 3
+
+
+def rank_main(impl: str, sizes: list[int]) -> None:
+    """One rank of one case: time all_reduce at each size; rank 0 prints the JSON line."""
+    import torch
+    torch.set_num_threads(1)
+    if impl == "gloo":
+        import torch.distributed as dist
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+        rank, size = dist.get_rank(), dist.get_world_size()
+        all_reduce, barrier, close = dist.all_reduce, dist.barrier, dist.destroy_process_group
+    else:
+        import collectives
+        pg = collectives.init_process_group(impl)
+        rank, size = pg.rank, pg.size
+        all_reduce, barrier, close = pg.all_reduce, pg.barrier, pg.close
+    rows = {}
+    for nbytes in sizes:
+        t = torch.zeros(nbytes // 4, dtype=torch.float32)  # zeros: sums stay finite
+        iters = _iterations(nbytes)
+        barrier()
+        for _ in range(max(1, iters // 4)):
+            all_reduce(t)
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            all_reduce(t)
+            times.append(time.perf_counter() - start)
+        t.fill_(rank + 1.0)
+        all_reduce(t)
+        if not bool((t == size * (size + 1) / 2).all()):
+            raise RuntimeError(f"[rank {rank}/{size}] {impl} all_reduce of {nbytes} bytes: "
+                               f"wrong sum")
+        rows[nbytes] = statistics.median(times)
+    close()
+    if rank == 0:
+        print(json.dumps({"impl": impl, "world_size": size, "seconds": rows}), flush=True)
+
+
+def _busbw(nbytes: int, seconds: float, n: int) -> float:
+    return nbytes * 2 * (n - 1) / n / seconds / 1e9
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hosts", type=int, default=2)
+    p.add_argument("--per-host", type=int, default=2, help="ranks per host")
+    p.add_argument("--rate", default="1gbit", help="each host's link (tc syntax or bit/s)")
+    p.add_argument("--sizes", default="1,4,16,64", help="MiB, comma separated")
+    p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--repeat", type=int, default=3, help="rounds (median reported)")
+    p.add_argument("--ddp-epochs", type=int, default=5,
+                   help="examples/ddp.py epochs per run over hier and zmq (0: skip)")
+    p.add_argument("--json", metavar="FILE", help="write every measurement here")
+    p.add_argument("--rank-job", nargs=2, metavar=("IMPL", "SIZES"), help=argparse.SUPPRESS)
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.rank_job:
+        rank_main(args.rank_job[0], [int(s) for s in args.rank_job[1].split(",")])
+        return 0
+    reason = rig_unavailable()
+    if reason is not None:
+        print(f"hosts_allreduce: {reason}", file=sys.stderr)
+        return 2
+    sizes = [int(float(s) * MIB) for s in args.sizes.split(",")]
+    impls = [i.strip() for i in args.impls.split(",")]
+    n = args.hosts * args.per_host
+    secret = {"COLLECTIVES_SECRET": os.urandom(32).hex()}
+    runs: dict = {i: [] for i in impls}
+    ddp: dict = {"hier": [], "zmq": []} if args.ddp_epochs > 0 else {}
+    load = os.getloadavg()
+    started = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+    print(f"# {args.hosts} hosts x {args.per_host} ranks, links {args.rate} "
+          f"({parse_rate(args.rate) / 1e9:g} Gbit/s); {platform.node()}, {os.cpu_count()} "
+          f"CPUs, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {started}",
+          flush=True)
+    with HostRig(args.hosts, rate=args.rate) as rig:
+        for rnd in range(args.repeat):
+            for impl in impls:
+                out = run_ranks(rig, [sys.executable, __file__, "--rank-job", impl,
+                                      ",".join(map(str, sizes))],
+                                per_host=args.per_host, env=secret, timeout=600)
+                runs[impl].append({int(k): v for k, v in summary(out)["seconds"].items()})
+                print(f"# round {rnd + 1}/{args.repeat} {impl}: " + ", ".join(
+                    f"{s // MIB} MiB {_busbw(s, runs[impl][-1][s], n):.3f} GB/s"
+                    for s in sizes), flush=True)
+            for impl in ddp:
+                out = run_ranks(rig, [sys.executable, "examples/ddp.py", "--backend", impl,
+                                      "--epochs", str(args.ddp_epochs)],
+                                per_host=args.per_host, env=secret, timeout=600)
+                ddp[impl].append(summary(out))
+                print(f"# round {rnd + 1}/{args.repeat} ddp over {impl}: wall_s "
+                      f"{ddp[impl][-1]['wall_s']}, final_acc {ddp[impl][-1]['final_acc']}",
+                      flush=True)
+    med = {i: {s: statistics.median(r[s] for r in runs[i]) for s in sizes} for i in impls}
+    head = f"{'size':>8}" + "".join(f"{i + ' GB/s':>12}" for i in impls)
+    ratios = [(a, b) for a in impls for b in impls if a == "hier" and b != a]
+    head += "".join(f"{a + '/' + b:>12}" for a, b in ratios)
+    print(f"\nall_reduce busbw, median of {args.repeat} rounds:\n{head}")
+    for s in sizes:
+        bw = {i: _busbw(s, med[i][s], n) for i in impls}
+        print(f"{s // MIB:>5} MiB" + "".join(f"{bw[i]:>12.3f}" for i in impls)
+              + "".join(f"{bw[a] / bw[b]:>11.2f}x" for a, b in ratios))
+    if ddp:
+        wall = {i: statistics.median(r["wall_s"] for r in ddp[i]) for i in ddp}
+        print(f"\nexamples/ddp.py --epochs {args.ddp_epochs}, {n} ranks, training loop "
+              f"(wall_s), median of {args.repeat}:")
+        for i in ddp:
+            print(f"  {i:<5} {wall[i]:8.3f} s   final_acc {ddp[i][-1]['final_acc']}")
+        print(f"  zmq/hier {wall['zmq'] / wall['hier']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"hosts": args.hosts, "per_host": args.per_host, "rate": args.rate,
+                       "started": started, "load_average": load, "allreduce_seconds": runs, "ddp": ddp}, f,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(_parser().parse_args()))

@@ -1,0 +1,209 @@
+"""The ``hier`` backend (shm inside a host, the network between hosts) beyond the
+conformance suite, which runs it on virtual hosts (``COLLECTIVES_HOST``) at 1 to 4 ranks:
+the layout of ranks over hosts, the host identity, the automatic choice over shm, the
+two-level paths on sizes the sweep draws rarely (pipelined pieces, padding, AVG), results
+bitwise identical on every rank, direct routes for point to point, sub-groups across
+hosts, and a rank killed on the other host.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import collectives
+from collectives import ReduceOp
+from collectives.hosts import listed_hosts, spans_hosts
+from collectives.launch import Rendezvous
+from collectives.world import across_hosts
+from backends.hier.topology import Topology, host_key
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from faults import tasks  # noqa: E402
+from faults.world import Died, FaultWorld  # noqa: E402
+
+TWO_BY_TWO = {"COLLECTIVES_HOST": "h0,h0,h1,h1"}
+
+
+# ------------------------------------------------------------------ layout, identity
+def test_topology_of_even_and_uneven_hosts():
+    even = Topology.from_keys(["a", "b", "a", "b"], rank=3)   # interleaved placement
+    assert even.hosts == ((0, 2), (1, 3)) and even.even
+    assert (even.host_index, even.local_index, even.local_ranks) == (1, 1, (1, 3))
+    assert even.column(0) == (0, 1) and even.column(1) == (2, 3)
+    uneven = Topology.from_keys(["a", "a", "a", "b"], rank=3)
+    assert not uneven.even and uneven.column(0) == (0, 3) and uneven.column(2) == (2,)
+    sub = uneven.restrict([1, 2, 3])   # ranks 1..3 of the world, renumbered 0..2
+    assert sub.hosts == ((0, 1), (2,)) and sub.rank == 2
+    assert even.describe() == "2 hosts: a [0, 2], b [1, 3]"
+
+
+def test_host_key_and_its_override():
+    assert host_key({"COLLECTIVES_HOST": " node7 "}) == "node7"
+    mine = host_key({})
+    assert mine == host_key({}) and mine.startswith(os.uname().nodename + "#")
+    assert listed_hosts(2, {"COLLECTIVES_HOST": "a,b,c"}) == ["a", "b"]
+    assert listed_hosts(2, {"COLLECTIVES_HOST": "a"}) is None
+    with pytest.raises(ValueError, match="COLLECTIVES_HOST.*lists 2 hosts.*4 ranks"):
+        listed_hosts(4, {"COLLECTIVES_HOST": "a,b"})
+
+
+def test_shm_across_hosts_becomes_hier_and_says_so(caplog, monkeypatch):
+    two_hosts = Rendezvous(0, 4, 0, 2, "h0", 29500, "j", "torchrun")
+    one_host = Rendezvous(0, 4, 0, 4, "h0", 29500, "j", "torchrun")
+    monkeypatch.delenv("COLLECTIVES_HOST", raising=False)
+    assert spans_hosts(two_hosts) and not spans_hosts(one_host)
+    assert spans_hosts(one_host, {"COLLECTIVES_HOST": "x,x,y,y"})
+    assert not spans_hosts(two_hosts, {"COLLECTIVES_HOST": "x,x,x,x"})
+    with caplog.at_level(logging.INFO, logger="collectives"):
+        assert across_hosts("shm", two_hosts) == "hier"
+    assert any("spans several hosts" in r.getMessage() for r in caplog.records)
+    assert across_hosts("shm", one_host) == "shm"
+    assert across_hosts("zmq", two_hosts) == "zmq"
+
+
+# ------------------------------------------------------------------------- worlds
+def _identical_everywhere(pg, a: np.ndarray) -> bool:
+    """Whether every rank holds the same bytes as this one."""
+    return len({bytes(x) for x in pg.all_gather_object(a.tobytes())}) == 1
+
+
+def _sizes_and_ops() -> dict:
+    """Runs in every rank: the two-level paths on sizes and ops the sweep draws rarely."""
+    pg = collectives.init_process_group()   # "shm" from the pool's environment
+    out = {"backend": pg.backend, "rank": pg.rank}
+    rng = np.random.default_rng(pg.rank)
+    n = pg.size
+    results = []
+    # around the split and piece lines, with counts that do not divide among the ranks
+    for count in (1, 3, 16383, 16385, 262147, (3 << 20) // 4 + 5):
+        for op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX):
+            a = rng.standard_normal(count).astype(np.float32)
+            inputs = pg.all_gather_object(a.copy())   # (its own entry is the object)
+            pg.all_reduce(a, op)
+            exact = np.stack(inputs).astype(np.float64)
+            want = exact.max(0) if op is ReduceOp.MAX else \
+                exact.sum(0) / (n if op is ReduceOp.AVG else 1)
+            results.append((count, op.name, bool(np.allclose(a, want, rtol=1e-4, atol=1e-4)),
+                            _identical_everywhere(pg, a)))
+    ints = np.arange(100003, dtype=np.int64) * (pg.rank + 1)
+    pg.all_reduce(ints)
+    results.append(("int64", "SUM", bool((ints == np.arange(100003) * n * (n + 1) // 2).all()),
+                    True))
+    out["all_reduce"] = results
+    # reduce to a rank on the other host: the others' tensors unchanged
+    a = np.full(70001, pg.rank + 1.0, np.float64)
+    pg.reduce(a, dst=n - 1)
+    out["reduce"] = float(a[0]), float(a[-1])
+    b = np.full(5, -1, np.int32) if pg.rank else np.arange(5, dtype=np.int32)
+    pg.broadcast(b, src=0)
+    c = np.full(5, pg.rank, np.int32)
+    pg.broadcast(c, src=n - 1)
+    out["broadcast"] = b.tolist(), c.tolist()
+    gathered = np.empty(3 * n, np.int16)
+    pg.all_gather(gathered, np.full(3, pg.rank, np.int16))
+    out["all_gather"] = gathered.tolist()
+    mine = np.empty(2, np.float32)
+    pg.reduce_scatter(mine, np.arange(2 * n, dtype=np.float32))
+    out["reduce_scatter"] = mine.tolist()
+    out["routes"] = [pg.transport.route(r) if r != pg.rank else "self" for r in range(n)]
+    peer = pg.rank ^ 1   # a point to point exchange inside each host, one across
+    far = (pg.rank + 2) % n
+    for other in (peer, far):
+        got = np.empty(4, np.float32)
+        if pg.rank < other:
+            pg.send(np.full(4, pg.rank, np.float32), other, tag=7)
+            pg.recv(got, other, tag=7)
+        else:
+            pg.recv(got, other, tag=7)
+            pg.send(np.full(4, pg.rank, np.float32), other, tag=7)
+        out[f"p2p{other}"] = got.tolist()
+    # sub-groups: one rank of each host; three ranks over two hosts (uneven)
+    if pg.rank in (0, 2):
+        across = pg.new_group([0, 2])
+        t = np.full(300000, pg.rank + 1.0, np.float32)
+        across.all_reduce(t)
+        out["across"] = (across.backend, float(t[0]), across.transport.topo.describe())
+    if pg.rank in (0, 1, 2):
+        within = pg.new_group([0, 1, 2])
+        t = np.full(7, pg.rank + 1, np.int64)
+        within.all_reduce(t)
+        out["within"] = int(t[0])
+    pg.barrier()
+    out["describe"] = pg.describe()
+    pg.close()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_two_hosts_of_two_ranks(monkeypatch):
+    for k, v in TWO_BY_TWO.items():
+        monkeypatch.setenv(k, v)
+    results = collectives.spawn(_sizes_and_ops, 4, backend="shm", timeout=60)
+    for r, out in enumerate(results):
+        assert out["backend"] == "hier", out
+        bad = [x for x in out["all_reduce"] if not (x[2] and x[3])]
+        assert not bad, f"rank {r}: (count, op, right, identical on every rank): {bad}"
+        assert out["reduce"] == ((10.0, 10.0) if r == 3 else (r + 1.0, r + 1.0))
+        assert out["broadcast"] == ([0, 1, 2, 3, 4], [3] * 5)
+        assert out["all_gather"] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+        assert out["reduce_scatter"] == [8.0 * r, 8.0 * r + 4]
+        assert out["routes"] == [("self" if p == r else "shm" if p // 2 == r // 2 else "zmq")
+                                 for p in range(4)]
+        assert out[f"p2p{r ^ 1}"] == [float(r ^ 1)] * 4
+        assert out[f"p2p{(r + 2) % 4}"] == [float((r + 2) % 4)] * 4
+        if r in (0, 2):
+            assert out["across"] == ("hier", 4.0, "2 hosts: h0 [0], h1 [1]")
+        if r < 3:
+            assert out["within"] == 6
+    assert "2 hosts: h0 [0, 1], h1 [2, 3]" in results[0]["describe"]
+    assert "pipelined" in results[0]["describe"]
+
+
+# ------------------------------------------------------------------ a killed rank
+@pytest.mark.timeout(120)
+def test_a_rank_killed_on_the_other_host_is_named_and_nobody_hangs():
+    """Rank 1 (host h0) is SIGKILLed inside all_reduce: its host's rank 0 (shm) and its
+    column peer on host h1, rank 3 (the network), name it; rank 2, which talks to
+    neither of them directly in that call, fails too: PeerError, well before the group
+    timeout, and nothing is left behind."""
+    victim, limit = 1, 10.0
+    with FaultWorld("hier", 4, timeout=12.0, env=TWO_BY_TWO) as world:
+        outcomes = world.call(tasks.kill_in_collective, "all_reduce", victim, limit + 1.0,
+                              limit=30)
+    assert isinstance(outcomes[victim], Died), outcomes
+    for r in (0, 2, 3):
+        out = outcomes[r]
+        assert isinstance(out, dict) and out["type"] == "PeerError", f"rank {r}: {out}"
+        assert out["message"].startswith(f"[rank {r}/4] all_reduce"), out["message"]
+        assert out["after_s"] < limit, f"rank {r}: {out}"
+    for r in (0, 3):
+        assert outcomes[r]["peer"] == victim and "rank 1" in outcomes[r]["message"], \
+            f"rank {r}: {outcomes[r]}"
+    print("\n".join(f"rank {r}: {outcomes[r]}" for r in (0, 2, 3)))
+    assert not world.leftovers, f"left behind: {world.leftovers}"
+
+
+# ------------------------------------------------------------------ the documentation
+@pytest.mark.timeout(180)
+def test_the_documentation_example_runs_as_written(tmp_path):
+    """The python block of docs/hierarchical.md prints what its comment says."""
+    import re
+    import subprocess
+    page = (Path(__file__).resolve().parent.parent / "docs" / "hierarchical.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, re.S)
+    assert len(blocks) == 1, "docs/hierarchical.md: expected one python block"
+    script = tmp_path / "example.py"
+    script.write_text(blocks[0])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVES_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=150, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = re.search(r"# (\('hier'.*\))", blocks[0]).group(1)
+    assert done.stdout.splitlines() == [expected] * 4, done.stdout
