@@ -5,6 +5,8 @@ would leak into the job, one compute thread per rank, and the repository importa
 from __future__ import annotations
 
 import os
+import random
+import socket
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,3 +40,19 @@ def srun_env(rank: int, ntasks: int, *, job: int, step: int = 0, nodelist: str =
         "SLURM_TASKS_PER_NODE": tasks_per_node or str(ntasks),
     })
     return env
+
+
+def free_slurm_job() -> int:
+    """A job id whose step 0 meets at a port (``collectives.slurm.slurm_port``) that is
+    free here now, for a simulated srun step."""
+    from collectives.slurm import slurm_port
+    rng = random.Random()
+    for _ in range(200):
+        job = rng.randrange(10_000, 10_000_000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", slurm_port(job)))
+                return job
+            except OSError:
+                continue
+    raise RuntimeError("no free port in Slurm's range 20000-29999")

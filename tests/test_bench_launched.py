@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from job_env import ROOT, job_env, srun_env
-from test_slurm import free_job
+from job_env import ROOT, free_slurm_job, job_env, srun_env
 
 BENCH = ["-m", "collectives.bench", "--sizes", "4K,64K", "--iters", "3", "--warmup", "1"]
 HAVE_MPIEXEC = bool(shutil.which(os.environ.get("MPIEXEC") or "mpiexec")) and \
@@ -65,7 +64,7 @@ def test_under_mpiexec(tmp_path):
 
 
 def srun_tasks(ntasks: int, args: list[str]) -> list[subprocess.CompletedProcess]:
-    job = free_job()
+    job = free_slurm_job()
     procs = [subprocess.Popen([sys.executable, *args], cwd=ROOT,
                               env=srun_env(rank, ntasks, job=job), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
@@ -103,7 +102,7 @@ def test_usage_errors_under_a_launcher_end_every_rank(args, message):
 
 
 def test_a_step_without_slurm_procid_is_a_usage_error():
-    env = srun_env(0, 2, job=free_job())
+    env = srun_env(0, 2, job=free_slurm_job())
     del env["SLURM_PROCID"]
     proc = run([sys.executable, *BENCH], env=env, timeout=120)
     assert proc.returncode == 2

@@ -8,8 +8,6 @@ The environments below are what a real srun, sbatch and salloc exported on this 
 from __future__ import annotations
 
 import json
-import random
-import socket
 import subprocess
 import sys
 
@@ -18,7 +16,7 @@ import pytest
 from collectives import slurm
 from collectives.launch import default_backend, detect_rendezvous, job_id
 from collectives.outer_launcher import outer_launcher
-from job_env import ROOT, srun_env
+from job_env import ROOT, free_slurm_job, srun_env
 
 TASK = str(ROOT / "tests" / "scripts" / "slurm_task.py")
 
@@ -149,23 +147,9 @@ def test_without_per_node_counts_srun_block_distribution_is_assumed():
 
 
 # ------------------------------------------------------------------ simulated srun
-def free_job() -> int:
-    """A job id whose step 0 port (slurm_port) is free here now."""
-    rng = random.Random()
-    for _ in range(200):
-        job = rng.randrange(10_000, 10_000_000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", slurm.slurm_port(job)))
-                return job
-            except OSError:
-                continue
-    pytest.skip("no free port in Slurm's range 20000-29999")
-
-
 def run_step(ntasks: int, args: list[str], timeout: float = 180, **env_kw) -> list[dict]:
     """Start ``ntasks`` copies of tests/scripts/slurm_task.py as srun would; their JSON."""
-    job = free_job()
+    job = free_slurm_job()
     procs = [subprocess.Popen([sys.executable, TASK, *args], cwd=ROOT,
                               env=srun_env(rank, ntasks, job=job, **env_kw),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -194,7 +178,7 @@ def test_simulated_srun_forms_one_world(backend, ntasks):
 
 
 def test_simulated_srun_without_procid_fails_clearly():
-    env = srun_env(0, 2, job=free_job())
+    env = srun_env(0, 2, job=free_slurm_job())
     del env["SLURM_PROCID"]
     proc = subprocess.run([sys.executable, TASK, "--backend", "shm"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
@@ -203,7 +187,7 @@ def test_simulated_srun_without_procid_fails_clearly():
 
 
 def test_spawn_refuses_inside_a_step_task():
-    env = srun_env(0, 2, job=free_job())
+    env = srun_env(0, 2, job=free_slurm_job())
     code = ("import collectives\n"
             "try:\n    collectives.spawn(print, 2)\n"
             "except RuntimeError as e:\n    print(e)\n")

@@ -76,7 +76,7 @@ def parse_args(example: str, argv: Optional[Sequence[str]] = None, *, epochs: in
                         "when started by mpirun)")
     p.add_argument("--nproc", type=int, default=2,
                    help="ranks to spawn (default: %(default)s; ignored when started by "
-                        "mpirun or torchrun)")
+                        "mpirun, torchrun or srun)")
     p.add_argument("--epochs", type=int, default=epochs, help="default: %(default)s")
     p.add_argument("--batch-size", type=int, default=batch_size,
                    help="samples per rank per step (default: %(default)s)")
@@ -113,7 +113,8 @@ def parse_args(example: str, argv: Optional[Sequence[str]] = None, *, epochs: in
 def launch(main: Callable[[argparse.Namespace], Any], args: argparse.Namespace) -> None:
     """Run ``main(args)`` on every rank.
 
-    Started by mpirun or torchrun, this process is one rank already: run ``main`` here.
+    Started by mpirun, torchrun or srun, this process is one rank already: run ``main``
+    here.
     Started alone, spawn ``args.nproc`` ranks. ``main`` must be importable from a fresh
     interpreter: define it at the top level of the script and keep the script's own top
     level under ``if __name__ == "__main__":`` (spawned ranks import the script as
