@@ -71,3 +71,39 @@ def test_srun_runs_the_benchmark_as_its_ranks(cluster):
     assert "ranks started by srun" in proc.stdout
     assert len([line for line in proc.stdout.splitlines() if line.lstrip().startswith(
         ("4096", "65536"))]) == 2
+
+
+def test_a_batch_script_spawns_locally_and_its_srun_steps_are_worlds(cluster, tmp_path):
+    """The batch script sees SLURM_PROCID=0 and SLURM_NTASKS=2 without being a task: its
+    own python is a world of one that spawns; its srun step is one world of 2."""
+    out = tmp_path / "job.out"
+    script = tmp_path / "job.sh"
+    script.write_text(
+        "#!/bin/bash\n#SBATCH -n 2\n#SBATCH --time 10\n"
+        f"cd {ROOT}\n"
+        f"{sys.executable} -c 'import collectives; r = collectives.detect_rendezvous(); "
+        f"print(\"batch\", r.launcher, r.world_size)'\n"
+        f"{sys.executable} examples/ddp.py --nproc 2 --epochs 1 | tail -1\n"
+        f"srun {sys.executable} tests/scripts/slurm_task.py --backend shm\n")
+    proc = subprocess.run(["sbatch", "--wait", "-o", str(out), str(script)], cwd=ROOT,
+                          env=job_env(), capture_output=True, text=True, timeout=400)
+    text = out.read_text() if out.exists() else ""
+    assert proc.returncode == 0, f"{proc.stderr}\n{text[-3000:]}"
+    lines = text.strip().splitlines()
+    assert "batch single 1" in lines
+    spawned = json.loads(next(line for line in lines if line.startswith('{"example"')))
+    assert spawned["world_size"] == 2
+    tasks = [json.loads(line) for line in lines if line.startswith('{"rank"')]
+    assert sorted(t["rank"] for t in tasks) == [0, 1]
+    assert all(t["launcher"] == "slurm" and t["sum"] == 3.0 for t in tasks)
+
+
+def test_the_setup_script_is_idempotent(cluster):
+    if os.geteuid() != 0:
+        pytest.skip("the set-up script runs as root only")
+    pid = (lambda: open("/run/slurmctld.pid").read().strip())
+    before = pid()
+    proc = subprocess.run(["bash", str(SETUP)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "is idle" in proc.stdout or "is mixed" in proc.stdout
+    assert pid() == before                                    # nothing restarted
