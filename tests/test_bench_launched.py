@@ -107,3 +107,13 @@ def test_a_step_without_slurm_procid_is_a_usage_error():
     proc = run([sys.executable, *BENCH], env=env, timeout=120)
     assert proc.returncode == 2
     assert "under srun" in proc.stderr and "SLURM_PROCID" in proc.stderr
+
+
+def test_a_rank_whose_peer_never_comes_fails_with_one_line():
+    # task 0 of a 2-task step, alone: its group times out and it says so, with status 1
+    env = srun_env(0, 2, job=free_slurm_job())
+    proc = run([sys.executable, *BENCH, "--backend", "shm", "--timeout", "3"], env=env,
+               timeout=120)
+    assert proc.returncode == 1
+    assert "rank 0 of 2 (started by srun) failed:" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -321,6 +321,11 @@ def _main_as_rank(args: argparse.Namespace, prog: str, launcher: str) -> int:
     except Exception as exc:  # noqa: BLE001 - one line per failing rank, then exit 1
         print(f"{prog}: rank {where.rank} of {where.world_size} (started by {program}) "
               f"failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        if launcher == "mpi":
+            # Without MPI_Finalize, so that mpiexec stops the other ranks at once instead
+            # of leaving them in a collective until their timeout (as job.worker does).
+            sys.stdout.flush()
+            os._exit(1)
         return 1
     return _report(args, rows, peers, notes + skipped) if rank0 else 0
 
