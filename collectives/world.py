@@ -13,11 +13,11 @@ import datetime
 import time
 from typing import Optional, Union
 
-from . import logs, settings
+from . import logs, settings, trace
 from .backend import Backend
 from .group import ProcessGroup
 from .launch import default_backend, detect_rendezvous
-from .regroup import connect, generation_rendezvous
+from .regroup import connect, generation_rendezvous, regrouped
 from .registry import get_backend
 from .validation import timeout_seconds
 
@@ -74,6 +74,7 @@ def init_process_group(backend: Optional[str] = None, *, rank: Optional[int] = N
               time.monotonic() - start)
     group = ProcessGroup(made)
     group.origin = rendezvous
+    trace.start_from_settings(group)   # with tracing on: a clock mark on the new world
     return group
 
 
@@ -97,6 +98,4 @@ def join_group(backend: Optional[str] = None, *, rank: int, world_size: int,
     name = default_backend(base) if not backend else backend
     rendezvous = generation_rendezvous(base, rank, world_size, generation, port)
     made = connect(name, rendezvous, seconds, "join_group")
-    group = ProcessGroup(made, name=f"world@{generation}")
-    group.origin, group.generation = base, generation
-    return group
+    return regrouped(ProcessGroup, made, base, generation, "world")
