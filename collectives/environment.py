@@ -23,3 +23,16 @@ def env_number(name: str, default: Optional[N], *, kind: Callable[[str], N] = in
     except ValueError:
         what = "an integer" if kind is int else "a number"
         raise ValueError(f"environment variable {name}={value!r} is not {what}") from None
+
+
+def first_env_int(env: Mapping[str, str], *names: str) -> Optional[int]:
+    """The first of ``names`` that is set (and not blank), as an int; None if none is.
+
+    >>> first_env_int({"PMI_RANK": "3"}, "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+    3
+    """
+    for name in names:
+        value = env_number(name, None, env=env)
+        if value is not None:
+            return value
+    return None

@@ -3,8 +3,10 @@
 :func:`detect_rendezvous` reads, in order: explicit arguments; the variables of
 ``collectives.spawn`` and torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR``, ``MASTER_PORT``); those of MPI launchers (Open MPI
-``OMPI_COMM_WORLD_*``, MPICH/Hydra ``PMI_*``, PMIx ``PMIX_*``). With none of them it is a
-world of one. Under an MPI launcher the default backend is ``mpi``, otherwise ``shm``
+``OMPI_COMM_WORLD_*``, MPICH/Hydra ``PMI_*``, PMIx ``PMIX_*``); those of Slurm's srun
+(``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, the step's node list: see
+:mod:`collectives.slurm`, which also says why a batch script is no task). With none of
+them it is a world of one. Under an MPI launcher the default backend is ``mpi``, otherwise ``shm``
 (:func:`default_backend`). This module only reads the environment;
 :func:`collectives.init_process_group` (:mod:`collectives.world`) connects.
 """
@@ -16,7 +18,12 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from . import settings
-from .environment import env_number
+from .environment import first_env_int as _int
+from .nodelist import expand_nodelist
+from .slurm import slurm_task
+
+__all__ = ["Rendezvous", "detect_rendezvous", "default_backend", "expand_nodelist",
+           "job_id", "under_mpi_launcher"]
 
 
 @dataclass(frozen=True)
@@ -32,21 +39,12 @@ class Rendezvous:
     #: A string every rank of this job shares and no other job on the host uses; the shm
     #: backend names its segments after it.
     job_id: Optional[str]
-    #: ``"explicit"``, ``"spawn"``, ``"torchrun"``, ``"mpi"`` or ``"single"``.
+    #: ``"explicit"``, ``"spawn"``, ``"torchrun"``, ``"mpi"``, ``"slurm"`` or ``"single"``.
     launcher: str
     #: 0 for the world a launcher started; k > 0 for the k-th group re-formed from it
     #: (:mod:`collectives.regroup`: a shrink, or survivors joined by new processes).
     #: A backend that can re-form meets under a name or port of that generation only.
     generation: int = 0
-
-
-def _int(env: Mapping[str, str], *names: str) -> Optional[int]:
-    """The first of ``names`` that is set, as an int."""
-    for name in names:
-        value = env_number(name, None, env=env)
-        if value is not None:
-            return value
-    return None
 
 
 MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
@@ -78,7 +76,11 @@ def job_id(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
         # MPICH's Hydra exports no job id; the ranks of one host share their parent
         # (the launcher's proxy), which no other job has.
         return f"mpi-ppid={os.getppid()}"
-    return None
+    try:
+        task = slurm_task(env)
+    except ValueError:  # detect_rendezvous says what is wrong, where it matters
+        task = None
+    return task.job_id if task is not None else None
 
 
 def detect_rendezvous(rank: Optional[int] = None, world_size: Optional[int] = None,
@@ -113,6 +115,12 @@ def detect_rendezvous(rank: Optional[int] = None, world_size: Optional[int] = No
         local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMIX_LOCAL_SIZE")
         if world_size is None:
             world_size = _mpi_world_size()
+    elif (task := slurm_task(env)) is not None:
+        rank, world_size, launcher = task.rank, task.world_size, "slurm"
+        local_rank, local_size = task.local_rank, task.local_world_size
+        addr = addr or task.master_addr
+        port = task.master_port if port is None else port
+        job = job or (f"master={addr}:{port}" if addr and port else None)
     else:
         rank, world_size, launcher = 0, 1, "single"
         local_rank = local_size = None

@@ -14,11 +14,13 @@ from typing import Any, Mapping, Optional
 
 from . import settings
 from .launch import MPI_RANK_VARS, MPI_SIZE_VARS, under_mpi_launcher
+from .slurm import slurm_task
 
 
 def outer_launcher(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
-    """The launcher that made this process a rank of a world (``"torchrun"``, ``"mpi"``),
-    from its variables, or None. A rank of ``collectives.spawn`` or of a test pool
+    """The launcher that made this process a rank of a world (``"torchrun"``, ``"mpi"``,
+    ``"slurm"``), from its variables, or None. A Slurm job's batch script or ``salloc``
+    shell is no rank (see :mod:`collectives.slurm`). A rank of ``collectives.spawn`` or of a test pool
     (``COLLECTIVES_SPAWNED``) is None: a job of its own started from there is a world of
     its own, as intended.
 
@@ -30,7 +32,12 @@ def outer_launcher(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
         return None
     if env.get("RANK"):
         return "torchrun"
-    return "mpi" if under_mpi_launcher(env) else None
+    if under_mpi_launcher(env):
+        return "mpi"
+    try:
+        return "slurm" if slurm_task(env) is not None else None
+    except ValueError:  # a task that lost SLURM_PROCID: a rank, though not a sound one
+        return "slurm"
 
 
 def refuse_under_launcher(nproc: Any) -> None:
@@ -43,6 +50,9 @@ def refuse_under_launcher(nproc: Any) -> None:
         rank, size, names = os.environ.get("RANK"), os.environ.get("WORLD_SIZE", "?"), \
             "RANK/WORLD_SIZE"
         program = "torchrun"
+    elif launcher == "slurm":
+        rank, size = os.environ.get("SLURM_PROCID", "?"), os.environ.get("SLURM_NTASKS", "?")
+        names, program = "SLURM_PROCID/SLURM_NTASKS", "srun"
     else:
         rank = next(os.environ[n] for n in MPI_RANK_VARS if os.environ.get(n))
         size = next((os.environ[n] for n in MPI_SIZE_VARS if os.environ.get(n)), "?")

@@ -99,7 +99,7 @@ def choose_mode(rendezvous: Any, env: Mapping[str, str]) -> tuple[str, Optional[
                              f"{MIN_SECRET_CHARS} characters (use e.g. `python -c 'import "
                              f"secrets; print(secrets.token_hex(32))'`)")
         return "secret", derive_key(secret.encode("utf-8"))
-    single_host = (rendezvous.launcher in ("spawn", "torchrun", "mpi")
+    single_host = (rendezvous.launcher in ("spawn", "torchrun", "mpi", "slurm")
                    and rendezvous.local_world_size == rendezvous.world_size)
     if single_host:
         return "file", None

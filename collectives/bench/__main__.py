@@ -6,6 +6,13 @@
     python -m collectives.bench --backend mpi --plot busbw.png   # ranks from mpiexec
     python -m collectives.bench --ops all_to_all --uneven --peer mpi4py --peer torch-gloo
 
+Under an outside launcher it starts nothing: each process is one rank of the launcher's
+world, and rank 0 alone prints the table (so it measures across hosts)::
+
+    torchrun --nproc-per-node 2 -m collectives.bench --backend gloo
+    mpiexec -n 2 python -m collectives.bench --peer mpi4py     # backend mpi by default
+    srun -n 4 python -m collectives.bench --backend zmq
+
 Exit status: 0 when every result was right, 1 when some element was wrong or a rank
 failed, 2 for a usage error or a missing launcher/library.
 """
@@ -16,10 +23,14 @@ import argparse
 import dataclasses
 import os
 import sys
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
+from .. import settings
 from ..cli_flags import FlagParser, add_flag, flag_parser, parse_size
 from .cases import DTYPES, OPS, check_world
+
+if TYPE_CHECKING:
+    from .job import JobSpec
 
 #: 4 B to 64 MiB by factors of 4.
 DEFAULT_SIZES = "4,16,64,256,1K,4K,16K,64K,256K,1M,4M,16M,64M"
@@ -44,8 +55,12 @@ def _parser(prog: str = "python -m collectives.bench") -> FlagParser:
         "libraries side by side (time: median over iterations of the slowest rank;\n"
         "#wrong: wrong elements of the checked result).",
         defaults_in_help=True)
-    add_flag(p, "--backend", default="shm", help="our backend to measure")
-    add_flag(p, "--nproc", default=2)
+    add_flag(p, "--backend",
+             help=f"our backend to measure (default: shm; under an outside launcher its "
+                  f"default: mpi under mpiexec, {settings.BACKEND.name} when set)")
+    add_flag(p, "--nproc",
+             help="ranks to spawn (default: 2; under torchrun, mpiexec or srun the "
+                  "launcher's world, which a different --nproc contradicts)")
     p.add_argument("--ops", type=_ops, default="all_reduce", metavar="LIST",
                    help=f"comma list of {', '.join(OPS)}, or 'all'")
     add_flag(p, "--sizes", default=DEFAULT_SIZES)
@@ -98,13 +113,18 @@ class _Usage(Exception):
     """A usage error or a missing launcher/library: a one-line message, exit status 2."""
 
 
-def _check(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+def _check(args: argparse.Namespace, launcher: Optional[str] = None
+           ) -> tuple[list[str], list[str]]:
     """Everything that can be refused before any rank starts: the peers to run, and notes
-    on the peers left out (a dtype they cannot carry)."""
+    on the peers left out (a dtype they cannot carry). ``launcher``: the outside
+    launcher whose rank this process is (``"mpi"`` runs MPI's implementations itself)."""
     from ..registry import P2P_ONLY_PREFIX, available_backends
     from .job import MPIEXEC_IMPLS, LauncherMissing, mpiexec_program
     from .peers import missing_library, unsupported_dtype
 
+    if launcher is None:  # the defaults of a run that spawns its ranks
+        args.backend = args.backend or "shm"
+        args.nproc = args.nproc or 2
     try:
         peers = _peers(args.peer)
         check_world(args.dtype, args.nproc)
@@ -125,7 +145,12 @@ def _check(args: argparse.Namespace) -> tuple[list[str], list[str]]:
              if unsupported_dtype(p, args.dtype)]
     peers = [p for p in peers if not unsupported_dtype(p, args.dtype)]
     needs_mpiexec = [i for i in [args.backend] + peers if i in MPIEXEC_IMPLS]
-    if needs_mpiexec:
+    if needs_mpiexec and launcher is not None and launcher != "mpi":
+        raise _Usage(f"{', '.join(needs_mpiexec)} "
+                     f"{'needs' if len(needs_mpiexec) == 1 else 'need'} MPI's launcher, but these ranks "
+                     f"were started by {_PROGRAMS[launcher]}; run under mpiexec, or leave "
+                     f"them out")
+    if needs_mpiexec and launcher is None:
         try:
             mpiexec_program()
         except LauncherMissing as exc:
@@ -139,14 +164,34 @@ def _check(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     return peers, notes
 
 
-def _run(args: argparse.Namespace, peers: list[str]) -> tuple[list[dict], list[str]]:
-    """Every implementation's rows: one job per launcher, ours' job first."""
-    from .job import MPIEXEC_IMPLS, JobSpec, run_mpiexec, run_spawned
+#: The program behind each outside launcher, as the header and errors name it.
+_PROGRAMS = {"torchrun": "torchrun", "mpi": "mpiexec", "slurm": "srun"}
 
-    spec = JobSpec(impls=[], ops=args.ops, sizes=args.sizes, dtype=args.dtype,
+
+def _spec(args: argparse.Namespace, impls: list[str]) -> "JobSpec":
+    from .job import JobSpec
+    return JobSpec(impls=impls, ops=args.ops, sizes=args.sizes, dtype=args.dtype,
                    iters=args.iters, warmup=args.warmup, byte_budget=args.byte_budget,
                    timeout=args.timeout, persistent=args.persistent,
-                   symmetric=args.symmetric, uneven=args.uneven)
+                   symmetric=args.symmetric, uneven=args.uneven, memcpy=args.memcpy)
+
+
+def _header(args: argparse.Namespace, peers: list[str], started_by: str = "") -> str:
+    load = f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores"
+    return (f"# collectives.bench: {args.backend} on {args.nproc} ranks{started_by}"
+            f"{', peers ' + ', '.join(peers) if peers else ''}; {args.dtype}; up to "
+            f"{args.iters} timed iterations after {args.warmup} warm-up (at most "
+            f"{args.byte_budget >> 20} MiB per size); {load}"
+            f"{'; ' + args.backend + ' through persistent requests' if args.persistent else ''}"
+            f"{'; all_reduce on symmetric memory' if args.symmetric else ''}"
+            f"{'; all_to_all with uneven split sizes' if args.uneven else ''}")
+
+
+def _run(args: argparse.Namespace, peers: list[str]) -> tuple[list[dict], list[str]]:
+    """Every implementation's rows: one job per launcher, ours' job first."""
+    from .job import MPIEXEC_IMPLS, run_mpiexec, run_spawned
+
+    spec = _spec(args, [])
     impls = [args.backend] + peers
     by_mpiexec = [i for i in impls if i in MPIEXEC_IMPLS]
     by_spawn = [i for i in impls if i not in MPIEXEC_IMPLS]
@@ -177,23 +222,18 @@ def main(argv: Optional[Sequence[str]] = None, *,
     if args.worker:
         from .job import worker
         return worker(args.worker)
+    from ..outer_launcher import outer_launcher
+    launcher = outer_launcher()
+    if launcher is not None:
+        return _main_as_rank(args, prog, launcher)
 
     from ..spawn import SpawnError
-    from . import report
     from .job import LauncherMissing
 
     peers: list[str] = []
     try:
         peers, notes = _check(args)
-        load = f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores"
-        print(f"# collectives.bench: {args.backend} on {args.nproc} ranks"
-              f"{', peers ' + ', '.join(peers) if peers else ''}; {args.dtype}; up to "
-              f"{args.iters} timed iterations after {args.warmup} warm-up (at most "
-              f"{args.byte_budget >> 20} MiB per size); {load}"
-              f"{'; ' + args.backend + ' through persistent requests' if args.persistent else ''}"
-              f"{'; all_reduce on symmetric memory' if args.symmetric else ''}"
-              f"{'; all_to_all with uneven split sizes' if args.uneven else ''}",
-              flush=True)
+        print(_header(args, peers), flush=True)
         rows, skipped = _run(args, peers)
     except (_Usage, LauncherMissing) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
@@ -202,6 +242,57 @@ def main(argv: Optional[Sequence[str]] = None, *,
         print(f"{prog}: a rank failed ({args.backend} and peers "
               f"{peers or 'none'}, {args.nproc} ranks): {exc}", file=sys.stderr)
         return 1
+    return _report(args, rows, peers, notes + skipped)
+
+
+def _main_as_rank(args: argparse.Namespace, prog: str, launcher: str) -> int:
+    """This process is one rank of an outside launcher's world: run the sweep here,
+    with every implementation in this one job, and print from rank 0 only. Every rank
+    refuses the same bad usage (the same checks on the same arguments), so none waits
+    for a rank that gave up."""
+    from ..launch import default_backend, detect_rendezvous
+    from .job import run_rank
+
+    program = _PROGRAMS[launcher]
+    try:
+        where = detect_rendezvous()
+    except ValueError as exc:
+        print(f"{prog}: error: under {program}: {exc}", file=sys.stderr)
+        return 2
+    rank0 = where.rank == 0
+    try:
+        if args.nproc is not None and args.nproc != where.world_size:
+            raise _Usage(f"argument --nproc: {args.nproc}, but {program} started "
+                         f"{where.world_size} ranks (leave --nproc out under a launcher)")
+        args.nproc = where.world_size
+        args.backend = args.backend or default_backend(where)
+        peers, notes = _check(args, where.launcher)
+    except _Usage as exc:
+        if rank0:
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    if rank0:
+        print(_header(args, peers, f" started by {program}"), flush=True)
+    spec = _spec(args, [args.backend] + peers)
+    try:
+        rows, skipped = run_rank(spec)
+    except Exception as exc:  # noqa: BLE001 - one line per failing rank, then exit 1
+        print(f"{prog}: rank {where.rank} of {where.world_size} (started by {program}) "
+              f"failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        if launcher == "mpi":
+            # Without MPI_Finalize, so that mpiexec stops the other ranks at once instead
+            # of leaving them in a collective until their timeout (as job.worker does).
+            sys.stdout.flush()
+            os._exit(1)
+        return 1
+    return _report(args, rows, peers, notes + skipped) if rank0 else 0
+
+
+def _report(args: argparse.Namespace, rows: list[dict], peers: list[str],
+            notes: list[str]) -> int:
+    """Rank 0's (or the parent's) output: the table, notes, JSON and plot; the exit
+    status (1 when some element was wrong)."""
+    from . import report
 
     if args.persistent:  # which rows timed persistent requests
         for r in rows:
@@ -212,7 +303,7 @@ def main(argv: Optional[Sequence[str]] = None, *,
     rows = report.add_memcpy(rows)
     report.add_ratios(rows, args.backend, peers)
     print(report.table(rows, args.backend, peers, args.nproc))
-    for note in notes + skipped:
+    for note in notes:
         print(f"# {note}")
     if args.json:
         report.write_json(rows, args.json)

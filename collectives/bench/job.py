@@ -1,4 +1,5 @@
-"""Starting the ranks: one job per launcher, every implementation of that launcher in it.
+"""Starting the ranks: one job per launcher, every implementation of that launcher in it
+(or, under an outside launcher, running as one of its ranks: :func:`run_rank`).
 
 Implementations that need MPI's launcher (our ``mpi`` backend and the ``mpi4py`` peer)
 run in one ``mpiexec`` job; the others (``shm``, ``zmq``, ``gloo``, ``torch-gloo``, ...)
@@ -21,6 +22,7 @@ import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import Optional
 
 from .. import settings
+from ..launch import Rendezvous
 from ..mpiexec import MpiexecUnavailable, find_mpiexec, own_session_dying_with_parent
 from ..spawn import SpawnError, free_port, sigterm_raises, spawn
 from .measure import GroupRunner, MemcpyRunner, Runner, measure_many
@@ -58,8 +61,10 @@ class JobSpec:
     byte_budget: int = 512 << 20
     #: Seconds every blocking wait of a group may last.
     timeout: float = 120.0
-    #: Where the torch-gloo peer's ranks meet (a free port chosen by the parent).
+    #: Where the torch-gloo peer's ranks meet (a free port chosen by the parent; 0 under
+    #: an outside launcher: rank 0 chooses, see :func:`run_rank`).
     torch_port: int = 0
+    torch_addr: str = "127.0.0.1"
     #: Also time a single-process copy of each size (rows of impl ``memcpy``).
     memcpy: bool = False
     #: mpiexec jobs: the file rank 0 writes its rows to.
@@ -82,7 +87,7 @@ def _open(impl: str, spec: JobSpec, rank: int, size: int) -> Runner:
         return Mpi4pyRunner()
     if impl == "torch-gloo":
         from .peers import TorchGlooRunner
-        return TorchGlooRunner(rank, size, "127.0.0.1", spec.torch_port, spec.timeout)
+        return TorchGlooRunner(rank, size, spec.torch_addr, spec.torch_port, spec.timeout)
     from ..world import init_process_group
     ours = impl == spec.impls[0]
     return GroupRunner(init_process_group(impl, timeout=spec.timeout), impl,
@@ -91,13 +96,19 @@ def _open(impl: str, spec: JobSpec, rank: int, size: int) -> Runner:
 
 def run_rank(spec: JobSpec) -> tuple[list[dict], list[str]]:
     """One rank of a job: open every implementation, run the sweep, close them. Rank 0
-    returns the rows and the notes on skipped ops; the others return empty lists."""
+    returns the rows and the notes on skipped ops; the others return empty lists.
+
+    Started by an outside launcher (torchrun, mpiexec, srun: ``python -m
+    collectives.bench`` run as one of its ranks), ``spec.torch_port`` is 0: the ranks
+    then agree on where the torch-gloo peer meets through our own group, opened first."""
     from ..launch import detect_rendezvous
 
     where = detect_rendezvous()
     runners: list[Runner] = []
     try:
         for impl in spec.impls:
+            if impl == "torch-gloo" and not spec.torch_port:
+                spec = _agree_torch_meeting(spec, runners[0], where)
             runners.append(_open(impl, spec, where.rank, where.world_size))
         if spec.memcpy:
             runners.append(MemcpyRunner(runners[0]))
@@ -108,6 +119,23 @@ def run_rank(spec: JobSpec) -> tuple[list[dict], list[str]]:
         for runner in reversed(runners):
             runner.close()
     return (rows, skipped) if where.rank == 0 else ([], [])
+
+
+def _agree_torch_meeting(spec: JobSpec, ours: Runner, where: Rendezvous) -> JobSpec:
+    """Rank 0 picks a free port on its host and tells the others through our group:
+    an outside launcher's ranks have no parent to choose one for them. Rank 0 is
+    reached at ``MASTER_ADDR`` (its host under torchrun and srun), at 127.0.0.1 when
+    every rank is on one host, else at its host name."""
+    if not isinstance(ours, GroupRunner):
+        raise TypeError(f"torch-gloo peer: expected our backend's group first, got "
+                        f"{type(ours).__name__}")
+    meeting = None
+    if where.rank == 0:
+        one_host = where.local_world_size == where.world_size
+        addr = "127.0.0.1" if one_host else (where.master_addr or socket.gethostname())
+        meeting = (addr, free_port())
+    addr, port = ours.pg.broadcast_object(meeting, 0)
+    return dataclasses.replace(spec, torch_addr=addr, torch_port=port)
 
 
 def run_spawned(spec: JobSpec, nproc: int, job_timeout: float) -> tuple[list[dict], list[str]]:

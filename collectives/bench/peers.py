@@ -121,9 +121,12 @@ class TorchGlooRunner:
         import torch.distributed as dist
         self.dist = dist
         self.rank, self.size = rank, size
-        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
-                                world_size=size,
-                                timeout=datetime.timedelta(seconds=timeout))
+        wait = datetime.timedelta(seconds=timeout)
+        # An explicit store: under torchrun a tcp:// init_method makes every rank a client
+        # of the agent's store (TORCHELASTIC_USE_AGENT_STORE), and none would serve here.
+        store = dist.TCPStore(addr, port, size, is_master=rank == 0, timeout=wait)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=size,
+                                timeout=wait)
         self.group = dist.group.WORLD
         # torch 2.13 renamed the flat-tensor collectives; older torch has only the old names.
         self._all_gather = getattr(dist, "all_gather_single", None) or \

@@ -80,8 +80,8 @@ def parse_args(example: str, argv: Optional[Sequence[str]] = None, *, epochs: in
     add_flag(p, "--backend", help="transport, or any registered backend's name (default: "
                                   "shm; mpi when started by mpirun)")
     add_flag(p, "--nproc", default=nproc,
-             help=nproc_help or "ranks to spawn (ignored when started by mpirun or "
-                                "torchrun)")
+             help=nproc_help or "ranks to spawn (ignored when started by mpirun, "
+                                "torchrun or srun)")
     add_flag(p, "--epochs", default=epochs)
     add_flag(p, "--batch-size", default=batch_size, help=batch_help)
     p.add_argument("--lr", type=float, default=lr,
@@ -110,7 +110,8 @@ def parse_args(example: str, argv: Optional[Sequence[str]] = None, *, epochs: in
 def launch(main: Callable[[argparse.Namespace], Any], args: argparse.Namespace) -> None:
     """Run ``main(args)`` on every rank.
 
-    Started by mpirun or torchrun, this process is one rank already: run ``main`` here.
+    Started by mpirun, torchrun or srun, this process is one rank already: run ``main``
+    here.
     Started alone, spawn ``args.nproc`` ranks. ``main`` must be importable from a fresh
     interpreter: define it at the top level of the script and keep the script's own top
     level under ``if __name__ == "__main__":`` (spawned ranks import the script as
