@@ -32,7 +32,7 @@ from collectives.registry import check_backend_name
 
 __all__ = ["SUMMARY_KEYS", "launch", "parse_args", "print_summary", "process_start_time"]
 
-BACKENDS = ("shm", "zmq", "mpi", "gloo", "nccl")
+BACKENDS = ("shm", "zmq", "mpi", "gloo", "nccl", "hier")
 
 
 def process_start_time(pid: Optional[int] = None) -> float:
