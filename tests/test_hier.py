@@ -229,3 +229,33 @@ def test_a_sleeping_rank_is_a_timeout_naming_it_on_both_hosts():
                                                            missing), f"rank {r}: {out}"
         assert timeout * 0.9 <= out["after_s"] < timeout + 3.0, f"rank {r}: {out}"
     assert not world.leftovers, f"left behind: {world.leftovers}"
+
+
+def _abort_while_waiting() -> tuple:
+    """Runs in every rank: rank 0 (and 3, across hosts) call all_reduce that the others
+    never join; every rank aborts its group 0.5 s in."""
+    import threading
+    import time
+    pg = collectives.init_process_group()
+    pg.barrier()
+    threading.Timer(0.5, pg.abort).start()
+    start = time.monotonic()
+    if pg.rank in (0, 3):
+        try:
+            pg.all_reduce(np.ones(1 << 18, np.float32))
+        except collectives.CollectiveError as exc:
+            return type(exc).__name__, time.monotonic() - start, str(exc)
+        return None, time.monotonic() - start, ""
+    time.sleep(1.0)
+    return "idle", 0.0, ""
+
+
+@pytest.mark.timeout(120)
+def test_abort_ends_a_two_level_call(monkeypatch):
+    for k, v in TWO_BY_TWO.items():
+        monkeypatch.setenv(k, v)
+    results = collectives.spawn(_abort_while_waiting, 4, timeout=30)
+    for r in (0, 3):
+        kind, after, text = results[r]
+        assert kind == "GroupAborted" and after < 2.0, f"rank {r}: {results[r]}"
+        assert text.startswith(f"[rank {r}/4] all_reduce"), text
