@@ -12,7 +12,6 @@ time of their own (``tottime``), the first lines of ``pstats``.
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import pstats
@@ -21,8 +20,8 @@ import time
 import numpy as np
 
 import collectives
-from collectives.bench.__main__ import parse_size
 from collectives.bench.cases import uneven_splits
+from collectives.cli_flags import add_flag, flag_parser, positive_int
 
 WARMUP = 50
 
@@ -58,13 +57,14 @@ def _job(nbytes: int, iters: int, lines: int) -> tuple:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--backend", default="shm")
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--bytes", type=parse_size, default="4K",
-                   help="what each rank sends in all (K/M suffixes)")
-    p.add_argument("--iters", type=int, default=2000)
-    p.add_argument("--lines", type=int, default=14, help="functions to print")
+    p = flag_parser(description=__doc__)
+    add_flag(p, "--backend", default="shm")
+    add_flag(p, "--nproc", default=2)
+    add_flag(p, "--bytes", default="4K",
+             help="what each rank sends in all, K/M/G suffix (binary)")
+    add_flag(p, "--iters", default=2000)
+    p.add_argument("--lines", type=positive_int, default=14,
+                   help="functions to print (default: %(default)s)")
     args = p.parse_args()
     results = collectives.spawn(_job, args.nproc, args=(args.bytes, args.iters, args.lines),
                                 backend=args.backend, join_timeout=600)

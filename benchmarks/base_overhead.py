@@ -19,7 +19,6 @@ cost of calling an empty Python method (the floor any Python API pays).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -30,6 +29,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from collectives import Backend, ProcessGroup  # noqa: E402
+from collectives.cli_flags import add_flag, flag_parser  # noqa: E402
 from collectives.work import CompletedWork  # noqa: E402
 
 
@@ -140,12 +140,13 @@ def run(iters: int, repeats: int) -> list[dict]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=2000)
-    parser.add_argument("--repeats", type=int, default=60)
-    parser.add_argument("--json", default=None, help="also write the rows to this file")
+    parser = flag_parser(description=__doc__)
+    add_flag(parser, "--iters", default=2000, help="calls in one timed loop")
+    add_flag(parser, "--repeat", default=60,
+             help="timed loops of each row, the rows taking turns (the least reported)")
+    add_flag(parser, "--json")
     args = parser.parse_args()
-    rows = run(args.iters, args.repeats)
+    rows = run(args.iters, args.repeat)
     print(f"{'op':<28} {'tensor':<6} {'path':<10} {'us/call':>8} {'base us':>8}")
     for r in rows:
         print(f"{r['op']:<28} {r['tensor']:<6} {r['path']:<10} {r['us_per_call']:>8.3f} "

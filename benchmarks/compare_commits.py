@@ -1,7 +1,7 @@
 """One benchmark, two checkouts of this repository, side by side in one session.
 
     git worktree add ../old <commit> && (cd ../old && python setup.py build_ext --inplace)
-    python benchmarks/compare_commits.py --old ../old --runs 5 --key op,tensor,path \\
+    python benchmarks/compare_commits.py --old ../old --repeat 5 --key op,tensor,path \\
         --metric us_per_call -- python benchmarks/base_overhead.py --json {json}
 
 Runs the command after ``--`` in each checkout in turn (old, new, then new, old, ...: the
@@ -25,7 +25,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from collectives.cli_flags import add_flag, flag_parser  # noqa: E402
 
 
 def _rows(path: str) -> list[dict]:
@@ -95,16 +100,15 @@ def _format(summary: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = flag_parser(description=__doc__, defaults_in_help=True)
     parser.add_argument("--old", required=True, help="checkout of the old commit")
     parser.add_argument("--new", default=".", help="checkout of the new commit")
-    parser.add_argument("--runs", type=int, default=5, help="runs of each side")
+    add_flag(parser, "--repeat", default=5, help="runs of each side")
     parser.add_argument("--key", required=True, help="comma list of the fields naming a row")
     parser.add_argument("--metric", required=True,
                         help="the field compared (a comma list: each in turn)")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
-    parser.add_argument("--json", default=None, help="also write the summary here")
+    add_flag(parser, "--job-timeout", default=1800.0, help="seconds one run may take")
+    add_flag(parser, "--json", help="also write the summary to FILE as JSON")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="-- then the benchmark, with {json} where it writes its rows")
     args = parser.parse_args()
@@ -112,7 +116,8 @@ def main() -> None:
     if not command or not any("{json}" in a for a in command):
         parser.error("give the benchmark after --, with {json} where its rows go")
     summary = compare(os.path.abspath(args.old), os.path.abspath(args.new), command,
-                      args.runs, args.key.split(","), args.metric.split(","), args.timeout)
+                      args.repeat, args.key.split(","), args.metric.split(","),
+                      args.job_timeout)
     print(_format(summary))
     if args.json:
         with open(args.json, "w") as f:

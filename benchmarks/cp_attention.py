@@ -5,19 +5,18 @@ lengths from 1K to 16K tokens, C = 2 and 4 ranks; and PyTorch's experimental
 ``context_parallel`` over gloo beside them in the same run, where it runs on this machine.
 
     python benchmarks/cp_attention.py                          # the table of docs/performance.md
-    python benchmarks/cp_attention.py --lengths 1024,2048 --nproc 2 --reps 2 --json cp.json
+    python benchmarks/cp_attention.py --lengths 1024,2048 --nproc 2 --repeat 2 --json cp.json
 
-A row: the implementation, C, L, the median over ``--reps`` timed repetitions (after one
+A row: the implementation, C, L, the median over ``--repeat`` timed repetitions (after one
 warm-up) of the slowest rank's forward+backward in milliseconds, the largest rank's saved
 bytes (``torch.autograd.graph.saved_tensors_hooks``) in MiB, and that as a share of the
-one-process run's. q, k, v are (``--batch``, ``--heads``, L/C, ``--head-dim``) float32 per
+one-process run's. q, k, v are (``--batch-size``, ``--heads``, L/C, ``--head-dim``) float32 per
 rank, the ranks are processes of ``--backend`` (default shm). Each C is one spawned job
 that runs every length and implementation in turn.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -30,20 +29,24 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from collectives.cli_flags import (FlagParser, add_flag, flag_parser,  # noqa: E402
+                                   positive_int, positive_ints)
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", default="1024,2048,4096,8192,16384")
-    p.add_argument("--nproc", default="2,4", help="comma list of C (default: %(default)s)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--backend", default="shm")
+
+def _parser() -> FlagParser:
+    p = flag_parser(description=__doc__, defaults_in_help=True)
+    p.add_argument("--lengths", type=positive_ints, default="1024,2048,4096,8192,16384",
+                   metavar="LIST", help="comma list of sequence lengths L")
+    add_flag(p, "--nproc", default="2,4", several=True,
+             help="comma list of C, the ranks of one job")
+    add_flag(p, "--batch-size", default=1, help="batch of q, k and v")
+    p.add_argument("--heads", type=positive_int, default=2, help="attention heads")
+    p.add_argument("--head-dim", type=positive_int, default=32, help="features per head")
+    add_flag(p, "--repeat", default=3, help="timed repetitions (after one warm-up)")
+    add_flag(p, "--backend", default="shm")
     p.add_argument("--no-torch", action="store_true",
                    help="leave out PyTorch's context_parallel")
-    p.add_argument("--json", default=None, help="write the rows to this file")
+    add_flag(p, "--json")
     return p
 
 
@@ -194,8 +197,8 @@ def table(rows: list) -> str:
 
 
 def main(args) -> None:
-    config = {"lengths": [int(x) for x in args.lengths.split(",")], "batch": args.batch,
-              "heads": args.heads, "head_dim": args.head_dim, "reps": args.reps}
+    config = {"lengths": args.lengths, "batch": args.batch_size,
+              "heads": args.heads, "head_dim": args.head_dim, "reps": args.repeat}
     torch.set_num_threads(1)
     dense = {length: one_process(config, length) for length in config["lengths"]}
     rows = [{"impl": "one process (dense sdpa)", "C": 1, "L": length,
@@ -203,7 +206,7 @@ def main(args) -> None:
              "saved_mib": round(d["saved"] / 2**20, 3), "saved_vs_one": 1.0}
             for length, d in dense.items()]
     notes = []
-    for size in (int(x) for x in args.nproc.split(",")):
+    for size in args.nproc:
         per_rank = collectives.spawn(_ours_job, size, args=(config,), backend=args.backend,
                                      timeout=600, join_timeout=3600)
         rows += summarise(per_rank, dense, size)
@@ -215,7 +218,7 @@ def main(args) -> None:
                              f"(CPU, gloo): {'; '.join(sorted(errors))}")
             if all(r["rows"] for r in reports):
                 rows += summarise([r["rows"] for r in reports], dense, size)
-    print(f"causal attention, float32, batch {args.batch}, heads {args.heads}, head_dim "
+    print(f"causal attention, float32, batch {args.batch_size}, heads {args.heads}, head_dim "
           f"{args.head_dim}; backend {args.backend}; {os.cpu_count()} CPUs; torch "
           f"{torch.__version__}")
     print(table(rows))

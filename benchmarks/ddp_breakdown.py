@@ -1,7 +1,7 @@
 """Where a step of parallel.DDP goes, on the model and batch of ``benchmarks/ddp_vs_torch.py``.
 
     python benchmarks/ddp_breakdown.py                 # shm, 2 ranks, 3 rounds
-    python benchmarks/ddp_breakdown.py --backend mpi --rounds 5
+    python benchmarks/ddp_breakdown.py --backend mpi --repeat 5
 
 Two measurements per round, each beside a plain model in the same round:
 
@@ -33,16 +33,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from collectives.cli_flags import (FlagParser, add_flag, flag_parser,  # noqa: E402
+                                   positive_int)
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--backend", default="shm", help="backend of the 2-rank run")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=800, help="timed steps of the 2-rank run")
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--block", type=int, default=20, help="steps per turn (world of one)")
-    p.add_argument("--blocks", type=int, default=60, help="turns per model (world of one)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per 2-rank run")
+
+def _parser() -> FlagParser:
+    p = flag_parser(description=__doc__, defaults_in_help=True)
+    add_flag(p, "--backend", default="shm", help="backend of the 2-rank run")
+    add_flag(p, "--repeat", default=3, help="rounds, one table row each")
+    add_flag(p, "--steps", default=800, help="timed steps of the 2-rank run")
+    add_flag(p, "--warmup", default=50, help="untimed steps before them")
+    p.add_argument("--block", type=positive_int, default=20,
+                   help="steps per turn (world of one)")
+    p.add_argument("--blocks", type=positive_int, default=60,
+                   help="turns per model (world of one)")
+    add_flag(p, "--job-timeout", default=600.0, help="seconds one 2-rank run may take")
     return p
 
 
@@ -130,12 +135,12 @@ def main(a: argparse.Namespace) -> int:
     print(f"{'round':>5}{'plain us':>10}{'wrapper us':>12}{'plain us':>10}"
           f"{'rank 0 us':>11}{'rank 1 us':>11}{'round after':>13}{'skew med':>10}"
           f"{'skew mean':>11}{'efficiency':>12}")
-    for r in range(a.rounds):
+    for r in range(a.repeat):
         w = wrapper_cost(a.block, a.blocks)
         plain = Stepper(build_mlp(SEED), 0)
         plain.seconds(a.warmup)
         plain_us = plain.seconds(a.steps) / a.steps * 1e6
-        t = two_ranks(a.backend, a.steps, a.warmup, a.timeout)
+        t = two_ranks(a.backend, a.steps, a.warmup, a.job_timeout)
         print(f"{r:>5}{w['plain_us']:>10.1f}{w['wrapper_us']:>12.1f}{plain_us:>10.1f}"
               f"{t['step_us'][0]:>11.1f}{t['step_us'][1]:>11.1f}"
               f"{t['round_after_last_us']:>13.1f}{t['skew_median_us']:>10.1f}"

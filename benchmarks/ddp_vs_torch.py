@@ -3,7 +3,7 @@ DistributedDataParallel on gloo, in one run.
 
     python benchmarks/ddp_vs_torch.py                        # 2 ranks: ours on shm, zmq,
                                                              # gloo, mpi; torch DDP on gloo
-    python benchmarks/ddp_vs_torch.py --world 2,4 --backends shm,zmq --steps 400
+    python benchmarks/ddp_vs_torch.py --nproc 2,4 --backend shm,zmq --steps 400
     python benchmarks/ddp_vs_torch.py --json ddp.json
 
 The model and batch of ``examples/ddp.py``: its MNIST MLP (``build_mlp``), 32 images per
@@ -50,20 +50,20 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import collectives  # noqa: E402
-from benchmarks.mpi_jobs import (add_run_options, parse_run_options,  # noqa: E402
-                                 report_from_rank_0, run_rounds, run_under_mpiexec,
-                                 unavailable)
+from collectives.cli_flags import FlagParser, add_flag, flag_parser  # noqa: E402
+from benchmarks.mpi_jobs import (add_run_options, report_from_rank_0,  # noqa: E402
+                                 run_rounds, run_under_mpiexec, unavailable)
 
 #: examples/ddp.py's defaults.
 BATCH, LR, SEED = 32, 0.05, 0
 _ROOT = str(Path(__file__).resolve().parent.parent)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--world", default="2", help="world sizes, comma separated")
-    p.add_argument("--backends", default="shm,zmq,gloo,mpi",
-                   help="backends for parallel.DDP, comma separated")
+def _parser() -> FlagParser:
+    p = flag_parser(description=__doc__)
+    add_flag(p, "--nproc", default="2", several=True)
+    add_flag(p, "--backend", default="shm,zmq,gloo,mpi", several=True,
+             help="comma list of the backends for parallel.DDP")
     p.add_argument("--no-plain", action="store_true", help="leave out the one-process row")
     p.add_argument("--no-independent", action="store_true",
                    help="leave out the row of N processes that never communicate")
@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 if __name__ == "__main__":   # parse first: a bad flag is refused before torch loads
-    ARGS = parse_run_options(_parser())
+    ARGS = _parser().parse_args()
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -187,11 +187,11 @@ def main(a: argparse.Namespace) -> int:
     if a.mpi_rank:
         return _mpi_rank(a.mpi_rank)
 
-    worlds = [int(v) for v in a.world.split(",") if v]
+    worlds = a.nproc
     cases: list[tuple[str, str, int]] = [] if a.no_plain else [("plain", "-", 1)]
     if not a.no_independent:
         cases += [("independent", "-", n) for n in worlds if n > 1]
-    for backend in (b for b in a.backends.split(",") if b):
+    for backend in a.backend:
         why = unavailable(backend)
         if why:
             print(f"# parallel.DDP on {backend}: skipped, {why}", flush=True)
@@ -211,14 +211,14 @@ def main(a: argparse.Namespace) -> int:
             return run_plain(*work)
         if impl == "independent":
             return collectives.spawn(run_independent, n, args=work, env=env,
-                                     join_timeout=a.timeout)[0]
+                                     join_timeout=a.job_timeout)[0]
         if impl == "torch DDP":
             return collectives.spawn(run_torch, n, args=work, env=env,
-                                     join_timeout=a.timeout)[0]
+                                     join_timeout=a.job_timeout)[0]
         if backend == "mpi":
-            return run_mpi(n, work, a.timeout)
+            return run_mpi(n, work, a.job_timeout)
         return collectives.spawn(run_ours, n, args=(backend, *work), env=env,
-                                 join_timeout=a.timeout)[0]
+                                 join_timeout=a.job_timeout)[0]
 
     times = run_rounds(cases, a.repeat, run_case)
 

@@ -3,7 +3,7 @@ FSDP2 (``torch.distributed.fsdp.fully_shard``) on gloo, in one run.
 
     python benchmarks/fsdp_vs_torch.py                       # 2 ranks: ours on shm, zmq,
                                                              # gloo, mpi; FSDP2 on gloo
-    python benchmarks/fsdp_vs_torch.py --world 2,4 --backends shm --steps 300
+    python benchmarks/fsdp_vs_torch.py --nproc 2,4 --backend shm --steps 300
     python benchmarks/fsdp_vs_torch.py --json fsdp.json
 
 The model and batch of ``examples/fsdp.py``: its MNIST MLP (``build_mlp``), each
@@ -39,24 +39,24 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import collectives  # noqa: E402
-from benchmarks.mpi_jobs import (add_run_options, parse_run_options,  # noqa: E402
-                                 report_from_rank_0, run_rounds, run_under_mpiexec,
-                                 unavailable)
+from collectives.cli_flags import FlagParser, add_flag, flag_parser  # noqa: E402
+from benchmarks.mpi_jobs import (add_run_options, report_from_rank_0,  # noqa: E402
+                                 run_rounds, run_under_mpiexec, unavailable)
 
 BATCH, LR, SEED = 32, 0.05, 0
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--world", default="2", help="world sizes, comma separated")
-    p.add_argument("--backends", default="shm,zmq,gloo,mpi",
-                   help="backends for parallel.FSDP, comma separated")
+def _parser() -> FlagParser:
+    p = flag_parser(description=__doc__)
+    add_flag(p, "--nproc", default="2", several=True)
+    add_flag(p, "--backend", default="shm,zmq,gloo,mpi", several=True,
+             help="comma list of the backends for parallel.FSDP")
     add_run_options(p, batch=BATCH, steps=200)
     return p
 
 
 if __name__ == "__main__":   # parse first: a bad flag is refused before torch loads
-    ARGS = parse_run_options(_parser())
+    ARGS = _parser().parse_args()
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -143,9 +143,9 @@ def main(a: argparse.Namespace) -> int:
     if a.mpi_rank:
         return _mpi_rank(a.mpi_rank)
 
-    worlds = [int(v) for v in a.world.split(",") if v]
+    worlds = a.nproc
     cases: list[tuple[str, str, int]] = []
-    for backend in (b for b in a.backends.split(",") if b):
+    for backend in a.backend:
         why = unavailable(backend)
         if why:
             print(f"# parallel.FSDP on {backend}: skipped, {why}", flush=True)
@@ -163,11 +163,11 @@ def main(a: argparse.Namespace) -> int:
         impl, backend, n = case
         if impl == "torch FSDP2":
             return collectives.spawn(run_torch, n, args=work, env=env,
-                                     join_timeout=a.timeout)[0]
+                                     join_timeout=a.job_timeout)[0]
         if backend == "mpi":
-            return run_mpi(n, work, a.timeout)
+            return run_mpi(n, work, a.job_timeout)
         return collectives.spawn(run_ours, n, args=(backend, *work), env=env,
-                                 join_timeout=a.timeout)[0]
+                                 join_timeout=a.job_timeout)[0]
 
     results = run_rounds(cases, a.repeat, run_case)
 

@@ -17,6 +17,7 @@ import sys
 from typing import Any, Callable, Optional
 
 import collectives
+from collectives.cli_flags import add_flag, positive_int
 from collectives.mpiexec import MpiexecUnavailable, find_mpiexec
 
 #: A launcher's rank variables of the parent, which the mpiexec job must not inherit.
@@ -64,26 +65,21 @@ def run_under_mpiexec(script: str, n: int, work: tuple, *, timeout: float, tag: 
 # ------------------------------------------------------------------ the training runs
 def add_run_options(p: argparse.ArgumentParser, *, batch: int, steps: int,
                     bucket_help: Optional[str] = None) -> None:
-    """The options every training benchmark takes beside ``--world`` and its case list:
-    batch, steps, warm-up, threads, (DDP's) bucket size, repeats, timeout, JSON file, and
-    the hidden ``--mpi-rank`` of its mpiexec ranks."""
-    p.add_argument("--batch-size", type=int, default=batch, help="per rank")
-    p.add_argument("--steps", type=int, default=steps, help="timed steps per run")
-    p.add_argument("--warmup", type=int, default=20, help="untimed steps before them")
-    p.add_argument("--threads", type=int, default=1, help="compute threads per rank")
+    """The options every training benchmark takes beside ``--nproc`` and ``--backend``
+    (its case list): batch, steps, warm-up, threads, (DDP's) bucket size, repeats, the
+    time a run may take, JSON file, and the hidden ``--mpi-rank`` of its mpiexec ranks."""
+    add_flag(p, "--batch-size", default=batch)
+    add_flag(p, "--steps", default=steps, help="timed steps per run")
+    add_flag(p, "--warmup", default=20, help="untimed steps before them")
+    p.add_argument("--threads", type=positive_int, default=1,
+                   help="compute threads per rank (default: %(default)s)")
     if bucket_help is not None:
-        p.add_argument("--bucket-cap-mb", type=float, default=25.0, help=bucket_help)
-    p.add_argument("--repeat", type=int, default=3, help="runs per case (median reported)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
-    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+        p.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                       help=f"{bucket_help} (default: %(default)s)")
+    add_flag(p, "--repeat", default=3, help="runs of each case (the median reported)")
+    add_flag(p, "--job-timeout", default=600.0, help="seconds one run may take")
+    add_flag(p, "--json")
     p.add_argument("--mpi-rank", help=argparse.SUPPRESS)
-
-
-def parse_run_options(p: argparse.ArgumentParser) -> argparse.Namespace:
-    a = p.parse_args()
-    if not a.mpi_rank and (a.repeat < 1 or a.steps < 1):
-        p.error("--repeat and --steps must be at least 1")
-    return a
 
 
 def report_from_rank_0(tag: str, text: str) -> None:

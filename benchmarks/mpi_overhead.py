@@ -23,7 +23,6 @@ group's own communicator, so they share its MPI settings.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -36,7 +35,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SIZES = (4, 65536, 64 << 20)
+from collectives.cli_flags import add_flag, flag_parser  # noqa: E402
+
+SIZES = "4,64K,64M"
 
 
 def _iterations(nbytes: int) -> int:
@@ -95,13 +96,14 @@ def _table(rows: list) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, nargs="*", default=[2, 4],
-                        help="world sizes, one mpiexec job each (ignored under mpiexec)")
-    parser.add_argument("--sizes", type=lambda s: tuple(int(x) for x in s.split(",")),
-                        default=SIZES, help="comma-separated byte counts")
-    parser.add_argument("--iters-scale", type=float, default=1.0)
-    parser.add_argument("--json", default=None, help="write the rows to this file")
+    parser = flag_parser(description=__doc__)
+    add_flag(parser, "--nproc", default="2,4", several=True,
+             help="comma list of world sizes, one mpiexec job each (ignored under "
+                  "mpiexec)")
+    add_flag(parser, "--sizes", default=SIZES)
+    parser.add_argument("--iters-scale", type=float, default=1.0,
+                        help="multiplies the iteration counts (default: %(default)s)")
+    add_flag(parser, "--json")
     args = parser.parse_args()
     if any(os.environ.get(v) for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")):
         rows = bench(args.sizes, args.iters_scale)

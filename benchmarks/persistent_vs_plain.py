@@ -14,7 +14,6 @@ replaces in DDP's buckets, and ``req.run()``, the blocking round (DDP's last buc
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -26,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import collectives  # noqa: E402
 from collectives import ReduceOp  # noqa: E402
+from collectives.cli_flags import add_flag, flag_parser  # noqa: E402
 
 
 def _job(sizes: list[int], iters: int) -> list[dict]:
@@ -82,13 +82,15 @@ def _print(rows: list[dict]) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default="shm")
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--sizes", default="4,4096,65536,1048576")
-    parser.add_argument("--iters", type=int, default=400)
+    parser = flag_parser(description=__doc__)
+    add_flag(parser, "--backend", default="shm")
+    add_flag(parser, "--nproc", default=2, help="ranks (ignored under mpiexec)")
+    add_flag(parser, "--sizes", default="4,4K,64K,1M")
+    add_flag(parser, "--iters", default=400,
+             help="timed iterations of each form per size (above 64 KiB: a 20th, at least "
+                  "5)")
     args = parser.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = args.sizes
     if collectives.detect_rendezvous().world_size > 1:  # started by mpiexec / torchrun
         rows = _job(sizes, args.iters)
         if collectives.detect_rendezvous().rank == 0:

@@ -1,7 +1,7 @@
 """Measured pipeline bubbles next to theory, for every schedule, in one run.
 
     python benchmarks/pp_bubble.py                  # P=4, M=8, 15 ms per unit
-    python benchmarks/pp_bubble.py --ranks 2 --microbatches 4 --unit-ms 30
+    python benchmarks/pp_bubble.py --nproc 2 --microbatches 4 --unit-ms 30
 
 Each rank is a thread of the in-process world (collectives.testing), each stage two
 layers whose forward, input gradient and weight gradient *sleep* a fixed time, so that
@@ -28,13 +28,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from collectives.cli_flags import (FlagParser, add_flag, flag_parser,  # noqa: E402
+                                   positive_int)
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--unit-ms", type=float, default=15.0)
+
+def _parser() -> FlagParser:
+    p = flag_parser(description=__doc__)
+    add_flag(p, "--nproc", default=4, help="ranks (threads), one pipeline stage each: P")
+    p.add_argument("--microbatches", type=positive_int, default=8,
+                   help="micro-batches per step: M (default: %(default)s)")
+    p.add_argument("--unit-ms", type=float, default=15.0,
+                   help="milliseconds one forward sleeps (default: %(default)s)")
     return p
 
 
@@ -70,7 +74,7 @@ def rank(pg, name: str, M: int, unit_s: float):
 
 
 def main(args: argparse.Namespace) -> None:
-    P, M = args.ranks, args.microbatches
+    P, M = args.nproc, args.microbatches
     print(f"P={P} M={M}, one unit = {args.unit_ms:g} ms")
     print(f"{'schedule':<12} {'bubble':>8} {'theory':>8} {'idle':>8} {'theory':>8} "
           f"{'step ms':>8} {'theory':>8}")

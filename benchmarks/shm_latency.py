@@ -11,7 +11,6 @@ call itself: validation, staging, the hook), so the share of the transport is vi
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -22,6 +21,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import collectives  # noqa: E402
+from collectives.cli_flags import positive_int  # noqa: E402
+from collectives.cli_flags import add_flag, flag_parser  # noqa: E402
 
 
 def _bench(sizes, iters_small, iters_large):
@@ -76,26 +77,29 @@ def _gib():
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nproc", default="2,4")
-    p.add_argument("--sizes", default="4,67108864")
-    p.add_argument("--iters-small", type=int, default=3000)
-    p.add_argument("--iters-large", type=int, default=15)
-    p.add_argument("--wait", choices=["futex", "sleep"], default=None)
+    p = flag_parser(description=__doc__)
+    add_flag(p, "--nproc", default="2,4", several=True)
+    add_flag(p, "--sizes", default="4,64M")
+    p.add_argument("--iters-small", type=positive_int, default=3000,
+                   help="timed iterations of sizes up to 64 KiB (default: %(default)s)")
+    p.add_argument("--iters-large", type=positive_int, default=15,
+                   help="timed iterations of larger sizes (default: %(default)s)")
+    p.add_argument("--wait", choices=["futex", "sleep"], default=None,
+                   help="COLLECTIVES_SHM_WAIT for the ranks (default: the backend's)")
     p.add_argument("--gib", action="store_true", help="also a 4-rank 1 GiB all_reduce")
-    p.add_argument("--json", default=None)
+    add_flag(p, "--json")
     args = p.parse_args()
     env = {}
     if args.wait:
         env["COLLECTIVES_SHM_WAIT"] = args.wait
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = args.sizes
     out = []
     if 4 in sizes:
         _, rows = collectives.spawn(_bench, 1, args=([4], args.iters_small, 1),
                                     backend="shm", env=env)[0]
         print(f"1 rank : {rows[0]['median_us']:8.1f} us for a 4 B all_reduce "
               f"(call overhead, no transport)")
-    for n in (int(x) for x in args.nproc.split(",")):
+    for n in args.nproc:
         mode, rows = collectives.spawn(_bench, n, args=(sizes, args.iters_small,
                                                          args.iters_large),
                                        backend="shm", env=env, timeout=600)[0]

@@ -9,7 +9,6 @@ many calls it made (printed).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -19,6 +18,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import collectives  # noqa: E402
+from collectives.cli_flags import seconds  # noqa: E402
+from collectives.cli_flags import add_flag, flag_parser  # noqa: E402
 
 
 def _job(nbytes: int, seconds: float) -> int:
@@ -39,10 +40,11 @@ def _job(nbytes: int, seconds: float) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--bytes", type=int, default=4)
-    ap.add_argument("--seconds", type=float, default=6.0)
-    ap.add_argument("--nproc", type=int, default=2)
+    ap = flag_parser(description=__doc__)
+    add_flag(ap, "--bytes", default="4")
+    ap.add_argument("--seconds", type=seconds, default=6.0,
+                    help="how long each rank loops (default: %(default)s)")
+    add_flag(ap, "--nproc", default=2)
     args = ap.parse_args()
     print(collectives.spawn(_job, args.nproc, args=(args.bytes, args.seconds),
                             backend="shm"))

@@ -13,7 +13,6 @@ and the ratio native / python (below 1: the core is faster).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -23,7 +22,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import collectives  # noqa: E402
-from collectives.bench.__main__ import parse_size  # noqa: E402
+from collectives.cli_flags import add_flag, flag_parser  # noqa: E402
 
 DEFAULT_SIZES = "4,64,1K,4K,64K,1M,16M,64M"
 
@@ -57,12 +56,14 @@ def _job(sizes: list[int], iters: int) -> list[tuple[int, float, float]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--sizes", default=DEFAULT_SIZES, help="bytes, K/M suffixes")
-    ap.add_argument("--iters", type=int, default=300)
+    ap = flag_parser(description=__doc__)
+    add_flag(ap, "--nproc", default=2)
+    add_flag(ap, "--sizes", default=DEFAULT_SIZES)
+    add_flag(ap, "--iters", default=300,
+             help="timed calls of each path per size (fewer for large sizes: at most "
+                  "256 MiB moved, at least 3 calls)")
     args = ap.parse_args()
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    sizes = args.sizes
     out = collectives.spawn(_job, args.nproc, args=(sizes, args.iters), backend="shm",
                             timeout=300)[0]
     native, rows = out[0], out[1:]

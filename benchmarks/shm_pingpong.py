@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
 import collectives  # noqa: E402
+from collectives.cli_flags import add_flag, flag_parser  # noqa: E402
 
 SAMPLES = 5
 
@@ -82,15 +83,15 @@ def _mpi_rank(work: list) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="4,64,1024,4096,65536", help="bytes, comma list")
-    ap.add_argument("--iters", type=int, default=1000)
+    ap = flag_parser(description=__doc__)
+    add_flag(ap, "--sizes", default="4,64,1K,4K,64K")
+    add_flag(ap, "--iters", default=1000, help="round trips in one timed sample")
     ap.add_argument("--mpi-rank", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.mpi_rank:
         _mpi_rank(json.loads(args.mpi_rank))
         return
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = args.sizes
     native, rows = collectives.spawn(_shm_job, 2, args=(sizes, args.iters), backend="shm",
                                      timeout=300)[0]
     try:

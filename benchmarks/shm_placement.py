@@ -14,7 +14,6 @@ the median and the worst of each.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -24,6 +23,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import collectives  # noqa: E402
+from collectives.cli_flags import positive_int  # noqa: E402
+from collectives.cli_flags import add_flag, flag_parser  # noqa: E402
 
 
 def _job(iters: int, warmup: int) -> dict:
@@ -44,11 +45,12 @@ def _job(iters: int, warmup: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--jobs", type=int, default=8, help="jobs of each placement")
-    ap.add_argument("--iters", type=int, default=2000)
-    ap.add_argument("--warmup", type=int, default=200)
+    ap = flag_parser(description=__doc__)
+    add_flag(ap, "--nproc", default=4)
+    ap.add_argument("--jobs", type=positive_int, default=8,
+                    help="jobs of each placement (default: %(default)s)")
+    add_flag(ap, "--iters", default=2000)
+    add_flag(ap, "--warmup", default=200)
     args = ap.parse_args()
     cores = len(os.sched_getaffinity(0))
     print(f"# {args.nproc} ranks on {cores} cores; 4-byte all_reduce after a barrier, "

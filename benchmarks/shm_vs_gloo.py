@@ -12,7 +12,6 @@ This file may import torch.distributed: it is a benchmark, not part of ``paralle
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import collectives  # noqa: E402
+from collectives.cli_flags import add_flag, flag_parser  # noqa: E402
 
 
 def _time(fn, reps, barrier, reduce_max):
@@ -79,14 +79,15 @@ def _rank(sizes, iters):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nproc", default="2,4")
-    p.add_argument("--sizes", default="4,67108864")
-    p.add_argument("--iters", type=int, default=200)
+    p = flag_parser(description=__doc__)
+    add_flag(p, "--nproc", default="2,4", several=True)
+    add_flag(p, "--sizes", default="4,64M")
+    add_flag(p, "--iters", default=200,
+             help="timed iterations per size (above 1 MiB: a tenth, at least 5)")
     args = p.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = args.sizes
     print(f"{'ranks':>5} {'bytes':>10} {'shm_us':>12} {'gloo_us':>12} {'gloo/shm':>9} {'wrong':>5}")
-    for nproc in (int(x) for x in args.nproc.split(",")):
+    for nproc in args.nproc:
         for n, nbytes, shm, gloo, wrong in collectives.spawn(_rank, nproc,
                                                             args=(sizes, args.iters))[0]:
             print(f"{n:>5} {nbytes:>10} {shm * 1e6:>12.1f} {gloo * 1e6:>12.1f} "

@@ -17,7 +17,7 @@ One invocation measures, per world size n and message size (float32, SUM):
 Timing: messages up to 64 KiB run back to back (a loop of ``iters`` calls per sample,
 no barrier in between: the collective itself synchronises); larger ones are timed one
 call at a time after a barrier. The time of an implementation is the median over samples
-of the slowest rank, the best of ``--rounds`` alternating shm and mpi jobs (the machine's
+of the slowest rank, the best of ``--repeat`` alternating shm and mpi jobs (the machine's
 load drifts; the best round is the least disturbed one). busbw = 2(n-1)/n x bytes / time (nccl-tests' convention); the copy's
 bandwidth is bytes / time. Targets (the issue's): time(shm) <= 1.5 x time(mpi) for 4 B ..
 4 KiB; busbw(shm) >= 1.5 x busbw(mpi) for 1 MiB .. 64 MiB.
@@ -37,6 +37,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from collectives.cli_flags import add_flag, flag_parser  # noqa: E402
 
 SIZES = (4, 64, 1024, 4096, 1 << 20, 16 << 20, 64 << 20)
 SMALL = 64 << 10          # up to here: back-to-back loops
@@ -145,18 +147,19 @@ def _fmt_size(b: int) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nproc", default="2,4")
-    p.add_argument("--sizes", default=",".join(map(str, SIZES)))
-    p.add_argument("--scale", type=float, default=1.0, help="multiplies the sample counts")
-    p.add_argument("--rounds", type=int, default=2,
-                   help="shm and mpi jobs alternate this many times; the best median counts")
+    p = flag_parser(description=__doc__)
+    add_flag(p, "--nproc", default="2,4", several=True)
+    add_flag(p, "--sizes", default=",".join(map(str, SIZES)))
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiplies the sample counts (default: %(default)s)")
+    add_flag(p, "--repeat", default=2,
+             help="shm and mpi jobs alternate this many times; the best median counts")
     p.add_argument("--mpi-yield", action="store_true",
                    help="set MPIR_CVAR_CH4_PROGRESS_THROTTLE/ENABLE_HEAVY_YIELD for MPI")
-    p.add_argument("--json", default=None)
+    add_flag(p, "--json")
     p.add_argument("--mpi-worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = args.sizes
     if args.mpi_worker:
         _mpi_worker(sizes, args.scale)
         return 0
@@ -165,9 +168,9 @@ def main() -> int:
 
     rows = []
     copy = {b: _copy_time(b, args.scale) for b in sizes}
-    for n in (int(x) for x in args.nproc.split(",")):
+    for n in args.nproc:
         best: dict = {}
-        for _ in range(args.rounds):  # alternate the jobs: load drift hits both alike
+        for _ in range(args.repeat):  # alternate the jobs: load drift hits both alike
             shm = collectives.spawn(_shm_worker, n, args=(sizes, args.scale),
                                     backend="shm", timeout=900)
             shm = [{int(k): v for k, v in r.items()} for r in shm]

@@ -12,7 +12,6 @@ median of the six. ``0/0`` sleeps in the kernel at once. The policy
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -22,6 +21,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import collectives  # noqa: E402
+from collectives.cli_flags import add_flag, flag_parser  # noqa: E402
 
 POLICIES = [(0, 50), (0, 500), (1, 50), (1, 500), (10, 500), (50, 200), (0, 0)]
 
@@ -53,9 +53,9 @@ def _job(iters: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--iters", type=int, default=500)
+    ap = flag_parser(description=__doc__)
+    add_flag(ap, "--nproc", default=2)
+    add_flag(ap, "--iters", default=500, help="calls in one timed loop")
     args = ap.parse_args()
     res = collectives.spawn(_job, args.nproc, args=(args.iters,), backend="shm",
                             timeout=300)[0]

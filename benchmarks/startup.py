@@ -36,6 +36,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from collectives.cli_flags import (FlagParser, add_flag, comma_choices,  # noqa: E402
+                                   flag_parser)
+
 METHODS = ("forkserver", "spawn", "mpiexec", "torchrun")
 
 
@@ -147,16 +152,15 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--nproc", default="2,4", help="ranks per job, a comma list")
-    p.add_argument("--launchers", default=",".join(METHODS),
-                   help=f"comma list of {', '.join(METHODS)}")
-    p.add_argument("--repeat", type=int, default=5, help="runs of each job")
+def _parser() -> FlagParser:
+    p = flag_parser(description=__doc__, defaults_in_help=True)
+    add_flag(p, "--nproc", default="2,4", several=True, help="comma list of ranks per job")
+    p.add_argument("--launchers", type=comma_choices(*METHODS), default=",".join(METHODS),
+                   metavar="LIST", help=f"comma list of {', '.join(METHODS)}")
+    add_flag(p, "--repeat", default=5, help="runs of each job")
     p.add_argument("--no-ddp", action="store_true", help="leave out examples/ddp.py")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per command")
-    p.add_argument("--json", default=None, help="also write the rows to this file")
+    add_flag(p, "--job-timeout", default=600.0, help="seconds one command may take")
+    add_flag(p, "--json")
     # the jobs themselves (this script runs itself)
     p.add_argument("--job-spawn", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--job-rank", action="store_true", help=argparse.SUPPRESS)
@@ -181,16 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.job_rank:
         _join_and_leave(a.torch)
         return 0
-    try:
-        nprocs = [int(x) for x in a.nproc.split(",")]
-    except ValueError:
-        parser.error(f"--nproc must be a comma list of integers, got {a.nproc!r}")
-    methods = [m.strip() for m in a.launchers.split(",") if m.strip()]
-    bad = [m for m in methods if m not in METHODS]
-    if bad or a.repeat < 1 or any(n < 1 for n in nprocs):
-        parser.error(f"--launchers must name {', '.join(METHODS)}; --repeat and --nproc "
-                     f"at least 1")
-    rows = measure(nprocs, methods, a.repeat, not a.no_ddp, a.timeout)
+    rows = measure(a.nproc, a.launchers, a.repeat, not a.no_ddp, a.job_timeout)
     print(_table(rows))
     if a.json:
         with open(a.json, "w") as f:

@@ -2,7 +2,7 @@
 one row per transport of ours, next to torch's DDP over gloo, in one run.
 
     python benchmarks/torch_ddp_backends.py                      # 2 ranks: shm, zmq, mpi, gloo
-    python benchmarks/torch_ddp_backends.py --world 2,4 --transports shm --steps 400
+    python benchmarks/torch_ddp_backends.py --nproc 2,4 --backend shm --steps 400
     python benchmarks/torch_ddp_backends.py --json torch_ddp.json
 
 The model and batch of ``examples/ddp.py``: its MNIST MLP (``build_mlp``), 32 images per
@@ -35,26 +35,26 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import collectives  # noqa: E402
-from benchmarks.mpi_jobs import (add_run_options, parse_run_options,  # noqa: E402
-                                 report_from_rank_0, run_rounds, run_under_mpiexec,
-                                 unavailable)
+from collectives.cli_flags import FlagParser, add_flag, flag_parser  # noqa: E402
+from benchmarks.mpi_jobs import (add_run_options, report_from_rank_0,  # noqa: E402
+                                 run_rounds, run_under_mpiexec, unavailable)
 
 #: examples/ddp.py's defaults.
 BATCH, LR, SEED = 32, 0.05, 0
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--world", default="2", help="world sizes, comma separated")
-    p.add_argument("--transports", default="shm,zmq,mpi",
-                   help="our transports under the collectives backend, comma separated")
+def _parser() -> FlagParser:
+    p = flag_parser(description=__doc__)
+    add_flag(p, "--nproc", default="2", several=True)
+    add_flag(p, "--backend", default="shm,zmq,mpi", several=True,
+             help="comma list of our transports under the collectives backend")
     add_run_options(p, batch=BATCH, steps=300,
                     bucket_help="DDP's gradient bucket size (torch's default)")
     return p
 
 
 if __name__ == "__main__":   # parse first: a bad flag is refused before torch loads
-    ARGS = parse_run_options(_parser())
+    ARGS = _parser().parse_args()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -116,9 +116,9 @@ def main(a: argparse.Namespace) -> int:
     if a.mpi_rank:
         return _mpi_rank(a.mpi_rank)
 
-    worlds = [int(v) for v in a.world.split(",") if v]
+    worlds = a.nproc
     cases: list[tuple[str, str, int]] = []
-    for transport in (t for t in a.transports.split(",") if t):
+    for transport in a.backend:
         why = unavailable(transport, "transport")
         if why:
             print(f"# collectives over {transport}: skipped, {why}", flush=True)
@@ -135,9 +135,9 @@ def main(a: argparse.Namespace) -> int:
     def run_case(case: tuple) -> float:
         backend, transport, n = case
         if transport == "mpi":
-            return run_mpi(n, work, a.timeout)
+            return run_mpi(n, work, a.job_timeout)
         return collectives.spawn(run_rank, n, args=(backend, transport, *work), env=env,
-                                 join_timeout=a.timeout)[0]
+                                 join_timeout=a.job_timeout)[0]
 
     times = run_rounds(cases, a.repeat, run_case)
 

@@ -21,7 +21,6 @@ This file may import torch.distributed: it is a benchmark, not part of ``paralle
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -32,8 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import collectives  # noqa: E402
 from collectives.spawn import free_port  # noqa: E402
+from collectives.cli_flags import add_flag, flag_parser  # noqa: E402
 
-DEFAULT_SIZES = "4,65536,1048576,67108864"
+DEFAULT_SIZES = "4,64K,1M,64M"
 
 
 def _iterations(nbytes: int, scale: float) -> int:
@@ -97,18 +97,19 @@ def _bandwidths(row: dict) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", default="2,4", help="world sizes, comma separated")
-    parser.add_argument("--sizes", default=DEFAULT_SIZES, help="bytes, comma separated")
-    parser.add_argument("--repeat", type=int, default=3,
-                        help="runs per world size; each row reports its best run")
+    parser = flag_parser(description=__doc__)
+    add_flag(parser, "--nproc", default="2,4", several=True)
+    add_flag(parser, "--sizes", default=DEFAULT_SIZES)
+    add_flag(parser, "--repeat", default=3,
+             help="runs per world size; each row reports its best run")
     parser.add_argument("--iters-scale", type=float, default=1.0,
-                        help="multiply the iteration counts (fewer on a slow machine)")
-    parser.add_argument("--json", default=None, help="write the rows to this file")
+                        help="multiply the iteration counts (fewer on a slow machine; "
+                             "default: %(default)s)")
+    add_flag(parser, "--json")
     args = parser.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = args.sizes
     rows = []
-    for nproc in (int(p) for p in args.nproc.split(",")):
+    for nproc in args.nproc:
         best: dict = {}
         for _ in range(args.repeat):  # fresh processes each time; keep each row's best run
             result = collectives.spawn(_rank, nproc,

@@ -2,7 +2,7 @@
 shm and mpi side by side, and how much of a step is communication.
 
     python benchmarks/tp_step.py                         # shm and mpi, 1, 2 and 4 ranks
-    python benchmarks/tp_step.py --nproc 2,4 --backends shm --epochs 2 --json tp.json
+    python benchmarks/tp_step.py --nproc 2,4 --backend shm --epochs 2 --json tp.json
 
 Each (backend, ranks) pair is one run of ``examples/tp.py --trace FILE`` (mpi: under
 ``mpiexec -n N``), one after another in this one invocation. From the trace, per rank and
@@ -26,6 +26,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from collectives.cli_flags import add_flag, flag_parser  # noqa: E402
 
 
 def _command(backend: str, n: int, args: argparse.Namespace, trace: str) -> list:
@@ -89,21 +92,21 @@ def measure(backend: str, n: int, args: argparse.Namespace) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", default="1,2,4", help="world sizes (default: %(default)s)")
-    p.add_argument("--backends", default="shm,mpi", help="default: %(default)s")
-    p.add_argument("--epochs", type=int, default=1, help="default: %(default)s")
-    p.add_argument("--batch-size", type=int, default=32, help="default: %(default)s")
-    p.add_argument("--json", default=None, help="also write the rows to this file")
+    p = flag_parser(description=__doc__)
+    add_flag(p, "--nproc", default="1,2,4", several=True)
+    add_flag(p, "--backend", default="shm,mpi", several=True)
+    add_flag(p, "--epochs", default=1)
+    add_flag(p, "--batch-size", default=32,
+             help="samples per step (examples/tp.py: every rank sees the same batch)")
+    add_flag(p, "--json")
     args = p.parse_args(argv)
-    sizes = [int(s) for s in args.nproc.split(",")]
-    rows = [measure(b, n, args) for n in sizes for b in args.backends.split(",")]
+    sizes = args.nproc
+    rows = [measure(b, n, args) for n in sizes for b in args.backend]
 
     print(f"TP MLP step (examples/tp.py, batch {args.batch_size}, {args.epochs} epoch(s)), "
           f"median over steps; comm = collectives inside the step")
     print(f"{'ranks':>5} " + " ".join(f"{b + ' step ms':>12} {b + ' comm ms':>12} {'comm %':>7}"
-                                      for b in args.backends.split(",")))
+                                      for b in args.backend))
     for n in sizes:
         cells = []
         for row in (r for r in rows if r["world_size"] == n):

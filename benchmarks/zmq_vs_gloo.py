@@ -9,13 +9,12 @@ alternating, each time in fresh processes, and the median of the R medians is re
 through ``torch.distributed`` (no wrapper of ours in the way).
 
     python benchmarks/zmq_vs_gloo.py                       # 4 B, 1 MiB, 64 MiB at 2 and 4 ranks
-    python benchmarks/zmq_vs_gloo.py --sizes 4,65536 --nprocs 2,3 --json out.json
+    python benchmarks/zmq_vs_gloo.py --sizes 4,64K --nproc 2,3 --json out.json
     COLLECTIVES_ZMQ_TRANSPORT=tcp python benchmarks/zmq_vs_gloo.py   # zmq over TCP only
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -25,6 +24,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import collectives  # noqa: E402
+from collectives.cli_flags import (add_flag, comma_choices, flag_parser,  # noqa: E402
+                                   positive_int)
 
 
 def _iterations(nbytes: int, small: int, large: int) -> int:
@@ -86,23 +87,27 @@ def gloo_rank(sizes: list[int], small: int, large: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="4,1048576,67108864",
-                        help="bytes per all_reduce")
-    parser.add_argument("--nprocs", default="2,4", help="world sizes")
-    parser.add_argument("--iters-small", type=int, default=300)
-    parser.add_argument("--iters-large", type=int, default=10)
-    parser.add_argument("--impls", default="zmq,gloo")
-    parser.add_argument("--repeat", type=int, default=3,
-                        help="runs per implementation, alternating (median of medians)")
-    parser.add_argument("--json", default=None, help="write the rows to this file")
+    parser = flag_parser(description=__doc__)
+    add_flag(parser, "--sizes", default="4,1M,64M")
+    add_flag(parser, "--nproc", default="2,4", several=True)
+    parser.add_argument("--iters-small", type=positive_int, default=300,
+                        help="timed calls of sizes up to 1 MiB (default: %(default)s)")
+    parser.add_argument("--iters-large", type=positive_int, default=10,
+                        help="timed calls of larger sizes (default: %(default)s)")
+    parser.add_argument("--impls", type=comma_choices("zmq", "gloo"), default="zmq,gloo",
+                        metavar="LIST",
+                        help="comma list of zmq (ours) and gloo (raw torch.distributed) "
+                             "(default: %(default)s)")
+    add_flag(parser, "--repeat", default=3,
+             help="runs per implementation, alternating (median of medians)")
+    add_flag(parser, "--json")
     args = parser.parse_args(argv)
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = args.sizes
     rows = []
-    for n in [int(x) for x in args.nprocs.split(",")]:
+    for n in args.nproc:
         runs: dict = {}
         for rep in range(args.repeat):
-            for impl in args.impls.split(","):
+            for impl in args.impls:
                 fn = zmq_rank if impl == "zmq" else gloo_rank
                 t0 = time.time()
                 result = collectives.spawn(

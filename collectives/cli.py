@@ -2,7 +2,8 @@
 
     collectives env [--json]           # the report for a bug report (collectives.env_report)
     collectives bench --nproc 2 --sizes 4K,1M   # microbenchmarks (collectives.bench)
-    collectives doctor DIR             # the ranks' flight records lined up (collectives.doctor)
+    collectives doctor [DIR] [--json]  # the ranks' flight records lined up (collectives.doctor)
+    collectives trace merge DIR        # the ranks' streamed traces as one Perfetto file
     python -m collectives ...          # the same, without the installed script
 
 Each subcommand hands its arguments over to its tool's own ``main`` (which still runs as
@@ -28,6 +29,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "line up the ranks' flight records and show where they diverge"),
     "env": ("collectives.env_report",
             "versions, transports, launcher, variables, cores: for a bug report"),
+    "trace": ("collectives.trace_merge",
+              "merge the ranks' streamed trace files into one Chrome/Perfetto file"),
 }
 
 

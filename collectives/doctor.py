@@ -1,6 +1,13 @@
-"""``python -m collectives.doctor FILES_OR_DIRS...``: line up the ranks' flight records
-(written by :mod:`collectives.flight` when a collective fails) and print the first point
-where the ranks diverge.
+"""``collectives doctor [FILES_OR_DIRS...] [--json]`` (or ``python -m collectives.doctor``):
+line up the ranks' flight records (written by :mod:`collectives.flight` when a collective
+fails, and on SIGTERM and SIGUSR1) and print the first point where the ranks diverge.
+
+With no argument it reads the latest job in the flight folder
+(``COLLECTIVES_FLIGHT_DIR``, default ``<tmp>/collectives-flight``); given that folder, the
+same; given a job's folder or files, those. ``--json`` prints the same analysis as JSON:
+``{"paths": [...], "groups": [{"job", "group", "backend", "size", "ranks", "absent",
+"reasons", "errors", "agreed", "agreed_count", "divergence": null or {"seq", "why",
+"ranks": {rank: {"seq", "call", "state", "outcome"}}}}]}``.
 
 Every rank numbers its collectives on a group identically, so the records can be
 compared by sequence number. The first sequence number at which the ranks' records
@@ -13,9 +20,10 @@ differ is where the job went wrong:
 
 Example, after a two-rank job timed out::
 
-    $ python -m collectives.doctor /tmp/collectives-flight/8f3c01d2e9a4
+    $ collectives doctor /tmp/collectives-flight/8f3c01d2e9a4
+    job 8f3c01d2e9a4
     group world (shm, 2 ranks): records from ranks 0, 1
-      seq 0..6 agree (7 collectives: all_reduce x6, barrier x1)
+      7 collectives agree on every recorded rank before seq 7 (all_reduce x6, barrier x1)
       FIRST DIVERGENCE at seq 7: the ranks made different calls
         rank 0: all_reduce(shape=(4,), dtype=float32, op=SUM)  still running, started 12:01:03.512
         rank 1: barrier()                                       still running, started 12:01:03.514
@@ -36,7 +44,7 @@ import sys
 from typing import Iterable, Optional, Sequence
 
 from . import settings
-from .flight import FORMAT
+from .flight import FORMAT, flight_dir, job_folders
 
 
 def load(paths: Iterable[str]) -> list[dict]:
@@ -87,17 +95,22 @@ def _outcome(record: dict, written: Optional[float]) -> str:
     return f"failed after {record['end'] - record['start']:.3f} s ({state.split(':')[0]})"
 
 
-def diagnose_group(documents: Sequence[dict]) -> list[str]:
-    """The report for the records of one group (one document per rank)."""
+def analyse_group(documents: Sequence[dict]) -> dict:
+    """What the records of one group (one document per rank) say, as data: the ranks
+    recorded and absent, the collectives every rank agrees on, and the first divergence
+    (None when there is none) with each rank's call there and its outcome."""
     first = documents[0]
     size = int(first["size"])
     by_rank = {int(d["rank"]): d for d in documents}
-    lines = [f"group {first['group']} ({first['backend']}, {size} ranks): records from "
-             f"ranks {', '.join(map(str, sorted(by_rank)))}"]
-    absent = sorted(set(range(size)) - set(by_rank))
-    if absent:
-        lines.append(f"  no record from ranks {absent} (a rank writes its record when one "
-                     f"of its collectives fails; a killed or still-waiting rank writes none)")
+    result: dict = {
+        "job": first.get("job"), "group": first["group"], "backend": first["backend"],
+        "size": size, "ranks": sorted(by_rank),
+        "absent": sorted(set(range(size)) - set(by_rank)),
+        "reasons": {str(r): d.get("reason") for r, d in sorted(by_rank.items())},
+        "errors": {str(r): d["error"].splitlines()[0] for r, d in sorted(by_rank.items())
+                   if d.get("error")},
+        "agreed": {}, "agreed_count": 0, "divergence": None,
+    }
     calls = {r: {rec["seq"]: rec for rec in d["records"] if rec["seq"] >= 0}
              for r, d in by_rank.items()}
     # Each rank keeps only its last N calls: compare from where every record begins.
@@ -112,26 +125,15 @@ def diagnose_group(documents: Sequence[dict]) -> list[str]:
         if not missing and len(set(sigs.values())) == 1 and not unfinished:
             agreed.append(present[min(present)]["op"])
             continue
-        lines.extend(_agreed_summary(agreed, seq))
-        lines.extend(_divergence(seq, present, missing, sigs, calls, by_rank))
-        return lines
-    lines.extend(_agreed_summary(agreed, None))
-    lines.append("  no divergence: every recorded collective matches and finished on every "
-                 "rank that wrote a record")
-    return lines
-
-
-def _agreed_summary(agreed: list[str], upto: Optional[int]) -> list[str]:
-    if not agreed:
-        return []
-    counts = collections.Counter(agreed)
-    ops = ", ".join(f"{op} x{n}" for op, n in counts.most_common())
-    where = "" if upto is None else f" before seq {upto}"
-    return [f"  {len(agreed)} collectives agree on every recorded rank{where} ({ops})"]
+        result["divergence"] = _divergence(seq, present, missing, sigs, calls, by_rank)
+        break
+    result["agreed"] = dict(collections.Counter(agreed).most_common())
+    result["agreed_count"] = len(agreed)
+    return result
 
 
 def _divergence(seq: int, present: dict, missing: list[int], sigs: dict,
-                calls: dict, by_rank: dict) -> list[str]:
+                calls: dict, by_rank: dict) -> dict:
     if len(set(sigs.values())) > 1:
         why = "the ranks made different calls"
     elif missing:
@@ -141,39 +143,103 @@ def _divergence(seq: int, present: dict, missing: list[int], sigs: dict,
                "without a record are the suspects (stuck elsewhere or dead)")
     else:
         why = "every rank made the same call, but it did not finish everywhere"
-    lines = [f"  FIRST DIVERGENCE at seq {seq}: {why}"]
-    width = max(len(s) for s in sigs.values()) if sigs else 0
+    ranks: dict[str, dict] = {}
     for r in sorted(by_rank):
         written = by_rank[r].get("written")
         if r in present:
-            lines.append(f"    rank {r}: {sigs[r]:<{width}}  {_outcome(present[r], written)}")
+            ranks[str(r)] = {"seq": seq, "call": sigs[r], "state": present[r]["state"],
+                             "outcome": _outcome(present[r], written)}
         else:
             earlier = [s for s in calls[r] if s < seq]
-            if earlier:
-                last = calls[r][max(earlier)]
-                lines.append(f"    rank {r}: (no call at seq {seq}) its last was seq "
-                             f"{last['seq']} {signature(last)}, {_outcome(last, written)}")
-            else:
-                lines.append(f"    rank {r}: (no call at seq {seq}) and none recorded before")
-    for r in sorted(by_rank):
-        if by_rank[r].get("error"):
-            lines.append(f"    rank {r} raised: {by_rank[r]['error'].splitlines()[0]}")
+            last = calls[r][max(earlier)] if earlier else None
+            ranks[str(r)] = {"seq": None if last is None else last["seq"],
+                             "call": None if last is None else signature(last),
+                             "state": None if last is None else last["state"],
+                             "outcome": None if last is None else _outcome(last, written)}
+    return {"seq": seq, "why": why, "ranks": ranks}
+
+
+def render_group(result: dict) -> list[str]:
+    """The text report of :func:`analyse_group`'s result."""
+    lines = [f"group {result['group']} ({result['backend']}, {result['size']} ranks): "
+             f"records from ranks {', '.join(map(str, result['ranks']))}"]
+    if result["absent"]:
+        lines.append(f"  no record from ranks {result['absent']} (a rank writes its record "
+                     f"when one of its collectives fails, or on SIGTERM or SIGUSR1; a "
+                     f"SIGKILLed rank writes none)")
+    signalled = {r: why for r, why in result["reasons"].items()
+                 if why is not None and why.startswith("SIG")}
+    if signalled:
+        lines.append("  written on a signal: " + ", ".join(
+            f"rank {r} ({why})" for r, why in signalled.items()))
+    divergence = result["divergence"]
+    if result["agreed_count"]:
+        ops = ", ".join(f"{op} x{n}" for op, n in result["agreed"].items())
+        where = "" if divergence is None else f" before seq {divergence['seq']}"
+        lines.append(f"  {result['agreed_count']} collectives agree on every recorded "
+                     f"rank{where} ({ops})")
+    if divergence is None:
+        lines.append("  no divergence: every recorded collective matches and finished on "
+                     "every rank that wrote a record")
+        return lines
+    seq = divergence["seq"]
+    lines.append(f"  FIRST DIVERGENCE at seq {seq}: {divergence['why']}")
+    at_seq = {r: d for r, d in divergence["ranks"].items() if d["seq"] == seq}
+    width = max((len(d["call"]) for d in at_seq.values()), default=0)
+    for r, d in divergence["ranks"].items():
+        if r in at_seq:
+            lines.append(f"    rank {r}: {d['call']:<{width}}  {d['outcome']}")
+        elif d["call"] is not None:
+            lines.append(f"    rank {r}: (no call at seq {seq}) its last was seq {d['seq']} "
+                         f"{d['call']}, {d['outcome']}")
+        else:
+            lines.append(f"    rank {r}: (no call at seq {seq}) and none recorded before")
+    for r, error in result["errors"].items():
+        lines.append(f"    rank {r} raised: {error}")
     return lines
+
+
+def diagnose_group(documents: Sequence[dict]) -> list[str]:
+    """The report for the records of one group (one document per rank)."""
+    return render_group(analyse_group(documents))
+
+
+def analyse(documents: Sequence[dict]) -> list[dict]:
+    """:func:`analyse_group` for each (job, group), the latest record of each rank."""
+    groups: dict[tuple[str, str], list[dict]] = collections.defaultdict(list)
+    for d in documents:
+        groups[(d.get("job", "?"), d["group"])].append(d)
+    results = []
+    for (job, _), docs in sorted(groups.items()):
+        latest: dict = {}
+        for d in docs:  # several files for one rank: keep the latest
+            if d["rank"] not in latest or d["written"] > latest[d["rank"]]["written"]:
+                latest[d["rank"]] = d
+        results.append(dict(analyse_group(list(latest.values())), job=job))
+    return results
 
 
 def diagnose(documents: Sequence[dict]) -> str:
     """The whole report: one section per (job, group)."""
-    groups: dict[tuple[str, str], list[dict]] = collections.defaultdict(list)
-    for d in documents:
-        groups[(d.get("job", "?"), d["group"])].append(d)
-    sections = []
-    for (job, _), docs in sorted(groups.items()):
-        latest = {}
-        for d in docs:  # several files for one rank: keep the latest
-            if d["rank"] not in latest or d["written"] > latest[d["rank"]]["written"]:
-                latest[d["rank"]] = d
-        sections.append(f"job {job}\n" + "\n".join(diagnose_group(list(latest.values()))))
-    return "\n\n".join(sections)
+    return "\n\n".join(f"job {r['job']}\n" + "\n".join(render_group(r))
+                        for r in analyse(documents))
+
+
+def resolve(paths: Sequence[str]) -> list[str]:
+    """The record files and folders to read: ``paths`` as given, except that a folder
+    holding job folders (the flight folder) stands for its latest job; no path at all
+    stands for the latest job of :func:`collectives.flight.flight_dir`."""
+    if not paths:
+        paths = [flight_dir()]
+    out = []
+    for path in paths:
+        if os.path.isdir(path) and not glob.glob(os.path.join(path, "*.json")):
+            jobs = job_folders(path)
+            if jobs:
+                out.append(jobs[-1])
+                continue
+        out.append(path)
+    return out
 
 
 def main(argv: Optional[Sequence[str]] = None, *,
@@ -184,19 +250,27 @@ def main(argv: Optional[Sequence[str]] = None, *,
         prog=prog,
         description="Show where the ranks of a failed job diverged, from their flight "
                     f"records ({settings.FLIGHT_DIR.name}, default <tmp>/collectives-flight).")
-    parser.add_argument("paths", nargs="+", metavar="FILE_OR_DIR",
-                        help="flight-record files, or directories holding them")
+    parser.add_argument("paths", nargs="*", metavar="FILE_OR_DIR",
+                        help="flight-record files, a job's folder of them, or the flight "
+                             "folder (its latest job); default: the latest job in "
+                             f"{flight_dir()}")
+    parser.add_argument("--json", action="store_true",
+                        help="print the analysis as JSON (one object per job and group)")
     args = parser.parse_args(argv)
+    paths = resolve(args.paths)
     try:
-        documents = load(args.paths)
+        documents = load(paths)
     except (OSError, ValueError) as exc:
         print(f"collectives.doctor: {exc}", file=sys.stderr)
         return 2
     if not documents:
-        print(f"collectives.doctor: no flight records in {' '.join(args.paths)}",
+        print(f"collectives.doctor: no flight records in {' '.join(paths)}",
               file=sys.stderr)
         return 2
-    print(diagnose(documents))
+    if args.json:
+        print(json.dumps({"paths": paths, "groups": analyse(documents)}, indent=1))
+    else:
+        print(diagnose(documents))
     return 0
 
 

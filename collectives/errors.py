@@ -57,14 +57,19 @@ def where(rank: int, size: int, op: str) -> str:
     return f"[rank {rank}/{size}] {op}"
 
 
+#: Whether tracebacks print an exception's notes (Python 3.11+, PEP 678).
+NATIVE_NOTES: bool = hasattr(BaseException, "add_note")
+
+
 def add_note(exc: BaseException, note: str) -> None:
-    """``exc.add_note(note)`` (Python 3.11+), or the same ``__notes__`` list by hand on
-    3.10, where tracebacks do not print it but code that reads it finds it.
+    """``exc.add_note(note)`` on Python 3.11+. On 3.10, whose tracebacks do not print
+    notes, the note is also appended to the message (``str(exc)`` and the traceback's
+    last line show it), and kept in ``__notes__`` for code that reads them.
 
     >>> e = ValueError("x"); add_note(e, "more"); e.__notes__
     ['more']
     """
-    if hasattr(exc, "add_note"):
+    if NATIVE_NOTES:
         exc.add_note(note)
         return
     notes = getattr(exc, "__notes__", None)
@@ -72,3 +77,7 @@ def add_note(exc: BaseException, note: str) -> None:
         notes = []
         exc.__notes__ = notes
     notes.append(note)
+    if exc.args and isinstance(exc.args[0], str):
+        exc.args = (f"{exc.args[0]}\n{note}",) + tuple(exc.args[1:])
+    else:
+        exc.args = tuple(exc.args) + (note,)

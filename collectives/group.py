@@ -14,7 +14,9 @@ backend moves bytes. Each of those jobs is a module of its own, called from here
 - :mod:`collectives.persistent`: ``all_reduce_init`` and the other persistent requests;
 - :mod:`collectives.objects`: ``broadcast_object`` and ``all_gather_object``;
 - :mod:`collectives.symmetric`: ``alloc_symmetric``, buffers the peers may read;
-- :mod:`collectives.subgroup`: sub-groups of backends without their own.
+- :mod:`collectives.subgroup`: sub-groups of backends without their own;
+- :mod:`collectives.regroup`: ``shrink``, ``grow`` and ``reform``, meeting again as a
+  new group after a rank died or before new processes join.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from . import flight, logs, objects, persistent, regroup, running, settings, symmetric
+from . import (flight, flight_signals, logs, objects, persistent, regroup, running, settings,
+               symmetric, trace)
 from .backend import Backend
 from .buffers import HostBuffer, host_dtype, to_host
 from .errors import GroupAborted
@@ -113,6 +116,10 @@ class ProcessGroup:
         self.origin: Optional[Rendezvous] = None
         #: 0 for a launcher's world, k for a group re-formed as generation k.
         self.generation: int = 0
+        # SIGTERM and SIGUSR1 write the records of the open groups (flight_signals); a
+        # traced process (COLLECTIVES_TRACE, trace.tracing) traces every group it makes.
+        flight_signals.register(self)
+        trace.group_created(self)
 
     @property
     def timeout(self) -> float:
@@ -483,9 +490,7 @@ class ProcessGroup:
         rank 2 is ``small.rank == 1`` of ``small.size == 2``; ``small.all_reduce(t)``.
         On ``mpi``: ``NotImplementedError`` naming ULFM.
         """
-        w = self._where("shrink")
-        rank, size = regroup.shrunk_ranks(self.rank, self.size, exclude, w)
-        return self.reform(rank, size, self.generation + 1, port=port)
+        return regroup.shrink(self, exclude, port)
 
     def grow(self, world_size: int, *, port: Optional[int] = None) -> "ProcessGroup":
         """A group of ``world_size`` ranks: this group's members keep their ranks, new
@@ -497,12 +502,7 @@ class ProcessGroup:
         the new one ``big = collectives.join_group(rank=2, world_size=3,
         generation=1)``; then ``big.all_reduce(t)`` on all three.
         """
-        w = self._where("grow")
-        if isinstance(world_size, bool) or not isinstance(world_size, int) \
-                or world_size < self.size:
-            raise ValueError(f"{w}: argument `world_size` must be an int >= this group's "
-                             f"size {self.size}, got {world_size!r}")
-        return self.reform(self.rank, world_size, self.generation + 1, port=port)
+        return regroup.grow(self, world_size, port)
 
     def reform(self, rank: int, size: int, generation: int, *,
                port: Optional[int] = None) -> "ProcessGroup":
@@ -512,34 +512,14 @@ class ProcessGroup:
         calls it with the quorum its coordinator decided. Every wait is bounded by this
         group's timeout. Call it once every member has returned from its last
         collective on this group (an agreement outside the group, as parallel.ft's
-        coordinator gives): the abort fails a peer's call still in flight.
+        coordinator gives): the abort fails a peer's call still in flight. A refused
+        call (``NotImplementedError`` on a transport that cannot re-form, ``ValueError``
+        for a bad argument) leaves this group usable.
 
         Two ranks that lost a third: rank 0 calls ``pg.reform(0, 2, 1)``, rank 2
         ``pg.reform(1, 2, 1)``.
         """
-        w = self._where("reform")
-        refusal = self.transport.regroup_refusal()
-        if refusal is not None:
-            raise NotImplementedError(f"{w}: {refusal}")
-        if self.origin is None:
-            raise ValueError(f"{w}: this group was made from a Backend by hand, not by "
-                             f"init_process_group or join_group: no rendezvous to meet again "
-                             f"from")
-        if isinstance(generation, bool) or not isinstance(generation, int) \
-                or generation <= self.generation:
-            raise ValueError(f"{w}: argument `generation` must be an int greater than this "
-                             f"group's ({self.generation}), got {generation!r}")
-        try:
-            rendezvous = regroup.generation_rendezvous(self.origin, rank, size, generation,
-                                                       port)
-        except ValueError as exc:   # named by this rank and op, before anything is aborted
-            raise ValueError(f"{w}: {exc}") from None
-        timeout = self.timeout
-        self.abort(f"re-formed as generation {generation}")
-        made = regroup.connect(self.backend, rendezvous, timeout, w)
-        group = ProcessGroup(made, name=f"{self._flight_name.split('@')[0]}@{generation}")
-        group.origin, group.generation = self.origin, generation
-        return group
+        return regroup.reform(self, rank, size, generation, port)
 
     # --------------------------------------------------------------------- lifetime
     def close(self) -> None:
@@ -549,6 +529,7 @@ class ProcessGroup:
         if self._closed:
             return
         self._closed = True
+        flight_signals.unregister(self)
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -573,6 +554,7 @@ class ProcessGroup:
                      self.size, reason)
         self._aborted = reason
         self._closed = True
+        flight_signals.unregister(self)
         for child in list(self._children):
             child.abort(reason)
         try:

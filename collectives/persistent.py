@@ -211,6 +211,14 @@ class PersistentRequest:
         g = self._group
         if self._work is not None or self._freed or g._closed:
             self._ready_to_start("run")   # raises what is wrong
+        blocked = getattr(g._recorder, "blocked", None)
+        if blocked is not None:   # a traced group (collectives.trace): the wait is a slice
+            with blocked(self._op):
+                self._run_here(g)
+            return
+        self._run_here(g)
+
+    def _run_here(self, g: Any) -> None:
         self._rebind_if_moved()
         if g._fast and self._zero_copy and not g._pending:  # as a blocking call's fast path
             running.run_numbered(g, self._op, self._call, (), self._shape, self._dtype, -1,

@@ -25,8 +25,9 @@ Who calls what (the generation must be the same on every member; the ranks are n
 - ``pg.reform(rank, size, generation)`` for any other membership (what
   :mod:`parallel.ft` does with the quorum the coordinator decided).
 
-This module only plans and connects; :class:`~collectives.ProcessGroup` wraps what
-:func:`connect` returns.
+The group's methods of those names are thin: the checks, the abort and the new
+rendezvous are :func:`shrink`, :func:`grow` and :func:`reform` here, and
+:func:`connect` makes the new backend, which :func:`regrouped` wraps in a group.
 """
 
 from __future__ import annotations
@@ -38,7 +39,12 @@ from .backend import Backend
 from .launch import Rendezvous
 from .registry import get_backend
 
-__all__ = ["connect", "generation_port", "generation_rendezvous", "shrunk_ranks"]
+
+__all__ = ["connect", "generation_port", "generation_rendezvous", "grow", "reform",
+           "regrouped", "shrink", "shrunk_ranks"]
+
+# The `group` arguments and results below are ProcessGroups, typed Any: group.py imports
+# this module, and the library keeps no import cycle, not even a type-only one.
 
 _MAX_PORT = 65535
 
@@ -128,3 +134,59 @@ def connect(backend: str, rendezvous: Rendezvous, timeout: float, where: str) ->
         made.abort()
         raise NotImplementedError(f"{where}: {refusal}")
     return made
+
+
+def regrouped(group_class: type, made: Backend, origin: Rendezvous, generation: int,
+              name: str) -> Any:
+    """The group of generation ``generation`` on the backend ``made`` (by
+    :func:`connect`), named ``name@generation``, remembering the world's rendezvous
+    ``origin`` that later generations meet again from."""
+    group = group_class(made, name=f"{name}@{generation}")
+    group.origin, group.generation = origin, generation
+    return group
+
+
+def shrink(group: Any, exclude: Iterable[Any],
+           port: Optional[int] = None) -> Any:
+    """``group.shrink(exclude, port=port)``: this rank's place among the survivors, then
+    :func:`reform` under the next generation."""
+    rank, size = shrunk_ranks(group.rank, group.size, exclude, group._where("shrink"))
+    return reform(group, rank, size, group.generation + 1, port)
+
+
+def grow(group: Any, world_size: int,
+         port: Optional[int] = None) -> Any:
+    """``group.grow(world_size, port=port)``: the members keep their ranks, the new
+    processes take the ranks above, under the next generation."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) \
+            or world_size < group.size:
+        raise ValueError(f"{group._where('grow')}: argument `world_size` must be an int >= "
+                         f"this group's size {group.size}, got {world_size!r}")
+    return reform(group, group.rank, world_size, group.generation + 1, port)
+
+
+def reform(group: Any, rank: int, size: int, generation: int,
+           port: Optional[int] = None) -> Any:
+    """``group.reform(rank, size, generation, port=port)``: every check first (so a
+    refused call leaves ``group`` usable), then abort ``group`` and meet again."""
+    w = group._where("reform")
+    refusal = group.transport.regroup_refusal()
+    if refusal is not None:
+        raise NotImplementedError(f"{w}: {refusal}")
+    if group.origin is None:
+        raise ValueError(f"{w}: this group was made from a Backend by hand, not by "
+                         f"init_process_group or join_group: no rendezvous to meet again "
+                         f"from")
+    if isinstance(generation, bool) or not isinstance(generation, int) \
+            or generation <= group.generation:
+        raise ValueError(f"{w}: argument `generation` must be an int greater than this "
+                         f"group's ({group.generation}), got {generation!r}")
+    try:
+        rendezvous = generation_rendezvous(group.origin, rank, size, generation, port)
+    except ValueError as exc:   # named by this rank and op, before anything is aborted
+        raise ValueError(f"{w}: {exc}") from None
+    timeout = group.timeout
+    group.abort(f"re-formed as generation {generation}")
+    made = connect(group.backend, rendezvous, timeout, w)
+    return regrouped(type(group), made, group.origin, generation,
+                     group._flight_name.split("@")[0])

@@ -286,6 +286,17 @@ class GroupWork(Work):
         self._bufs: Optional[Sequence[HostBuffer]] = bufs or None
 
     def wait(self, timeout: Optional[float] = None) -> None:
+        rec = self.rec
+        if rec is not None and len(rec) > flight.HOOK:   # traced: the wait is a slice
+            t0 = _time()
+            try:
+                self._wait(timeout)
+            finally:
+                rec[flight.HOOK].waited(rec, t0, _time())
+            return
+        self._wait(timeout)
+
+    def _wait(self, timeout: Optional[float]) -> None:
         try:
             self._inner.wait(timeout)
         except BaseException as exc:

@@ -11,9 +11,10 @@ other module of ``collectives``, ``backends`` or ``parallel`` spells a variable'
 ``COLLECTIVES_*`` variable the table does not know, naming the nearest known one: a typo
 in a tuning variable would otherwise be ignored in silence.
 
-The documentation's table of variables is this module's output::
+The documentation site's table of variables (docs/settings.md) is generated from this
+table when the site is built; in a terminal::
 
-    python -m collectives.settings            # Markdown, as in docs/settings.md
+    python -m collectives.settings            # the table, as Markdown
 
 Two ranks, both::
 
@@ -127,7 +128,19 @@ class Setting:
 
     @property
     def type_doc(self) -> str:
+        """The type as the documentation shows it: the kind, or the choices."""
         return " | ".join(self.choices) if self.choices else self.kind
+
+    @property
+    def default_text(self) -> str:
+        """The default as the documentation shows it (``default_doc`` where set)."""
+        if self.default_doc:
+            return self.default_doc
+        if self.default is None:
+            return "unset"
+        if isinstance(self.default, bool):
+            return "1" if self.default else "0"
+        return str(self.default) if self.default != [] else "none"
 
 
 def _s(name: str, kind: str, default: Any, scope: str, doc: str, **extra: Any) -> Setting:
@@ -163,6 +176,13 @@ FLIGHT_RECORDER = _s("FLIGHT_RECORDER", "int", 256, "all",
                      "operations each group remembers for the doctor (0: off)", minimum=0)
 FLIGHT_DIR = _s("FLIGHT_DIR", "path", None, "all", "where flight records are written",
                 default_doc="<tmp>/collectives-flight")
+FLIGHT_KEEP = _s("FLIGHT_KEEP", "int", 10, "all",
+                 "job folders of flight records kept in the flight folder (older ones are "
+                 "removed when a record is written)", minimum=1)
+TRACE = _s("TRACE", "path", None, "all",
+           "trace every group of the process: each rank streams its events to "
+           "DIR/rank<r>.jsonl (collectives trace merge DIR)",
+           default_doc="unset: no trace")
 SECRET = _s("SECRET", "str", None, "zmq",
             "the job's secret (at least 16 characters) that authenticates peers; "
             "collectives.spawn makes one per job")
@@ -324,10 +344,9 @@ def markdown_table() -> str:
     lines = ["| variable | type | default | read by | meaning |",
              "| --- | --- | --- | --- | --- |"]
     for s in SETTINGS:
-        default = s.default_doc or ("unset" if s.default is None else
-                                    "0" if s.default is False else "1" if s.default is True
-                                    else str(s.default) if s.default != [] else "none")
-        lines.append(f"| `{s.name}` | {s.type_doc} | {default} | {s.scope} | {s.doc} |")
+        cells = (f"`{s.name}`", s.type_doc, s.default_text, s.scope, s.doc)
+        # (a "|" inside a cell, as in the choices "auto | tcp", would end the cell)
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 

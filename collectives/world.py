@@ -13,12 +13,12 @@ import datetime
 import time
 from typing import Optional, Union
 
-from . import logs, settings
+from . import logs, settings, trace
 from .backend import Backend
 from .group import ProcessGroup
 from .hosts import spans_hosts
 from .launch import Rendezvous, default_backend, detect_rendezvous
-from .regroup import connect, generation_rendezvous
+from .regroup import connect, generation_rendezvous, regrouped
 from .registry import get_backend
 from .validation import timeout_seconds
 
@@ -76,6 +76,7 @@ def init_process_group(backend: Optional[str] = None, *, rank: Optional[int] = N
               time.monotonic() - start)
     group = ProcessGroup(made)
     group.origin = rendezvous
+    trace.start_from_settings(group)   # with tracing on: a clock mark on the new world
     return group
 
 
@@ -116,6 +117,4 @@ def join_group(backend: Optional[str] = None, *, rank: int, world_size: int,
     rendezvous = generation_rendezvous(base, rank, world_size, generation, port)
     name = across_hosts(name, rendezvous)
     made = connect(name, rendezvous, seconds, "join_group")
-    group = ProcessGroup(made, name=f"world@{generation}")
-    group.origin, group.generation = base, generation
-    return group
+    return regrouped(ProcessGroup, made, base, generation, "world")

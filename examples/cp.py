@@ -59,17 +59,21 @@ def add_cp_options(p) -> None:
 
 
 def cp_args(argv=None):
-    """The example's options; a token count the layout's chunks do not divide ends the
-    program with status 2 and a message."""
-    args = parse_args("cp", argv, epochs=10, batch_size=32, lr=2e-3, description=__doc__,
-                      extra=add_cp_options)
+    """The example's options; a token count the layout's chunks do not divide is a usage
+    error: one line, exit status 2."""
+    return parse_args("cp", argv, epochs=10, batch_size=32, lr=2e-3, description=__doc__,
+                      extra=add_cp_options, validate=_fit_tokens,
+                      batch_help="samples per step (every rank sees the same batch and "
+                                 "holds a share of each image's tokens)")
+
+
+def _fit_tokens(args) -> None:
+    """ValueError unless the layout's chunks divide the tokens."""
     chunks = args.nproc * (2 if args.layout == "zigzag" else 1)
     if TOKENS % chunks:
-        print(f"examples/cp.py: --nproc {args.nproc} with --layout {args.layout} cuts the "
-              f"{TOKENS} tokens into {chunks} chunks, which does not divide them",
-              file=sys.stderr, flush=True)
-        sys.exit(2)
-    return args
+        raise ValueError(f"--nproc {args.nproc} with --layout {args.layout} cuts the "
+                         f"{TOKENS} tokens into {chunks} chunks, which does not divide "
+                         f"them")
 
 
 if __name__ == "__main__":   # parse first: a bad flag is refused before torch loads
@@ -82,7 +86,7 @@ from torch.utils.data import BatchSampler  # noqa: E402
 import collectives  # noqa: E402
 from examples.common.harness import progress, traced_step  # noqa: E402
 from examples.common.mnist import load_mnist  # noqa: E402
-from examples.common.trace import Tracer  # noqa: E402
+from collectives import trace  # noqa: E402
 from parallel import DDP, DeviceMesh, ShardSampler  # noqa: E402
 from parallel.cp import ContextParallelAttention, shard_sequence, unshard_sequence  # noqa: E402
 from parallel.tp import ParallelTransformerBlock, TransformerBlock  # noqa: E402
@@ -141,7 +145,7 @@ class ContextParallelModel(nn.Module):
         return self.head(self.norm(h).mean(dim=1))
 
 
-def record_timelines(model: ContextParallelModel, tracer: Tracer, step: int) -> None:
+def record_timelines(model: ContextParallelModel, tracer: trace.Tracer, step: int) -> None:
     """Move the attention modules' recorded computation into the trace."""
     for attention in model.attentions:
         if attention.timeline:
@@ -151,7 +155,7 @@ def record_timelines(model: ContextParallelModel, tracer: Tracer, step: int) -> 
 
 
 def train(model: DDP, cp_model: ContextParallelModel, args, rank: int,
-          tracer: Tracer) -> tuple:
+          tracer: trace.Tracer) -> tuple:
     """AdamW over ``args.epochs`` epochs (or ``args.max_steps`` steps), the learning rate
     decaying linearly to 0 (a transformer this small otherwise ends on a noisy epoch), the
     same batches on every rank; each epoch's mean loss and the samples trained on."""
@@ -198,7 +202,7 @@ def accuracy(model: nn.Module, args) -> float:
 
 def main(args):
     pg = collectives.init_process_group(args.backend)
-    tracer = Tracer(pg.rank, enabled=args.trace is not None)
+    tracer = trace.to_file(pg, args.trace)
     # cp: the ranks splitting the tokens; tp of one (the block's heads stay whole). DDP
     # averages the gradients over the world group, a group apart from cp's ring.
     mesh = DeviceMesh(pg, (pg.size, 1), ("cp", "tp"))

@@ -14,8 +14,9 @@ a replacement, which receives the model and optimizer state from a live replica 
 it contributes. This launcher (not a rank) prints the summary, whichever rank died; it
 adds failures, recoveries, world_size_final, steps_committed, steps_skipped and
 replicas_equal (every finished replica's parameters hashed, all equal). Every rank
-process has RANK in its environment (the ranks are forked from a fork server that this
-launcher started: find them among its descendants).
+process is started (executed, not forked) with RANK, LOCAL_RANK and WORLD_SIZE in its
+environment, so a chaos tool finds rank k among this launcher's children by
+/proc/PID/environ; each is also named coll-rank<k> (ps -o comm, pgrep -x coll-rank2).
 """
 
 import os
@@ -25,29 +26,36 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from collectives import settings  # noqa: E402
+from collectives.cli_flags import add_flag, positive_int, seconds  # noqa: E402
 from examples.common.cli import parse_args, print_summary  # noqa: E402
 
 
 def _options(p):
     p.add_argument("--respawn", action="store_true",
                    help="start a replacement for every rank that dies; it heals and joins")
-    p.add_argument("--min-replicas", type=int, default=1,
+    p.add_argument("--min-replicas", type=positive_int, default=1,
                    help="fewest replicas a step may run with (default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=5.0,
-                   help="seconds a collective may wait (a stopped rank costs this long; "
-                        "default: %(default)s)")
-    p.add_argument("--heartbeat-timeout", type=float, default=2.0,
+    add_flag(p, "--timeout", default=5.0,
+             help="seconds a collective may wait (a stopped rank costs this long)")
+    p.add_argument("--heartbeat-timeout", type=seconds, default=2.0,
                    help="seconds of silence after which the coordinator drops a replica "
                         "(default: %(default)s)")
 
 
+def _regroupable_backend(args) -> None:
+    """ValueError unless --backend can re-form a group."""
+    if args.backend not in (None, "shm", "zmq", "gloo"):
+        raise ValueError(f"argument --backend: {args.backend} cannot re-form a group; "
+                         f"use shm, zmq or gloo")
+
+
 if __name__ == "__main__":   # parse first: a bad flag is refused before torch loads
+    # The launcher executes its ranks (RANK in their real environment) instead of forking
+    # them from the warm fork server, so parse_args need not start one.
+    os.environ.setdefault(settings.START_METHOD.name, "spawn")
     ARGS = parse_args("elastic", epochs=5, batch_size=32, lr=0.05, description=__doc__,
-                      extra=_options)
-    if ARGS.backend not in (None, "shm", "zmq", "gloo"):
-        print(f"examples/elastic.py: --backend {ARGS.backend} cannot re-form a group; use "
-              f"shm, zmq or gloo", file=sys.stderr)
-        sys.exit(2)
+                      extra=_options, validate=_regroupable_backend)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

@@ -47,7 +47,7 @@ from torch.utils.data import BatchSampler  # noqa: E402
 import collectives  # noqa: E402
 from examples.common.harness import build_mlp, progress, sharded_accuracy  # noqa: E402
 from examples.common.mnist import load_mnist  # noqa: E402
-from examples.common.trace import Tracer  # noqa: E402
+from collectives import trace  # noqa: E402
 from parallel import FSDP, ShardSampler  # noqa: E402
 
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -55,7 +55,7 @@ DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 def main(args):
     pg = collectives.init_process_group(args.backend)
-    tracer = Tracer(pg.rank, enabled=args.trace is not None)
+    tracer = trace.to_file(pg, args.trace)
     x_train, y_train = map(torch.from_numpy, load_mnist(args.data_dir, "train"))
     x_test, y_test = map(torch.from_numpy, load_mnist(args.data_dir, "test"))
 

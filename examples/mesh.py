@@ -48,6 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from collectives.cli_flags import positive_int  # noqa: E402
 from examples.common.cli import launch, parse_args, print_summary  # noqa: E402
 
 
@@ -57,8 +58,8 @@ IMAGE_ROWS = 28
 
 
 def add_mesh_options(p) -> None:
-    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default: 1)")
-    p.add_argument("--ep", type=int, default=1,
+    p.add_argument("--dp", type=positive_int, default=1, help="data-parallel replicas (default: 1)")
+    p.add_argument("--ep", type=positive_int, default=1,
                    help="expert-parallel ranks: each holds experts/ep of every MoE layer "
                         "and trains on its own batch (default: 1)")
     p.add_argument("--experts", type=int, default=None,
@@ -69,7 +70,7 @@ def add_mesh_options(p) -> None:
     p.add_argument("--capacity-factor", type=float, default=None,
                    help="each expert accepts at most ceil(c*T*k/E) of a rank's T tokens "
                         "(default: no limit)")
-    p.add_argument("--cp", type=int, default=1,
+    p.add_argument("--cp", type=positive_int, default=1,
                    help="context-parallel ranks: each holds 28/cp rows of every image "
                         "(default: 1)")
     p.add_argument("--cp-algorithm", choices=("ring", "all_gather"), default="ring",
@@ -77,11 +78,11 @@ def add_mesh_options(p) -> None:
                         "(default: %(default)s)")
     p.add_argument("--layout", choices=("contiguous", "zigzag"), default="contiguous",
                    help="which rows each cp rank holds (default: %(default)s)")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (default: 2)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (default: 1)")
+    p.add_argument("--tp", type=positive_int, default=2, help="tensor-parallel ranks (default: 2)")
+    p.add_argument("--pp", type=positive_int, default=1, help="pipeline stages (default: 1)")
     p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
                    help="pipeline schedule with --pp > 1 (default: %(default)s)")
-    p.add_argument("--microbatches", type=int, default=4,
+    p.add_argument("--microbatches", type=positive_int, default=4,
                    help="micro-batches per step with --pp > 1; must divide --batch-size "
                         "(default: %(default)s)")
     p.add_argument("--fsdp", action="store_true",
@@ -90,51 +91,51 @@ def add_mesh_options(p) -> None:
     p.add_argument("--hidden", type=int, default=64, help="default: %(default)s")
     p.add_argument("--heads", type=int, default=4, help="default: %(default)s")
     p.add_argument("--ffn", type=int, default=128, help="default: %(default)s")
-    p.add_argument("--layers", type=int, default=2,
+    p.add_argument("--layers", type=positive_int, default=2,
                    help="transformer blocks, at least --pp (default: %(default)s)")
     p.add_argument("--max-steps", type=int, default=0,
                    help="stop training after this many steps (default 0: no limit)")
 
 
-def _refuse(message: str) -> None:
-    print(f"examples/mesh.py: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
-
-
 def mesh_args(argv=None):
-    """The example's options; ``--nproc`` defaults to dp*ep*tp*pp. An ``--nproc`` other
-    than dp*ep*tp*pp, fewer blocks than stages, a batch the micro-batches do not divide, or
-    experts that --ep does not divide ends the program with status 2 and a message."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args("mesh", argv, epochs=10, batch_size=32, lr=0.05, description=__doc__,
-                      extra=add_mesh_options)
-    for name in ("dp", "ep", "cp", "tp", "pp", "microbatches", "layers"):
-        if getattr(args, name) < 1:
-            _refuse(f"--{name} must be at least 1")
+    """The example's options; ``--nproc`` defaults to dp*ep*cp*tp*pp. An ``--nproc`` other
+    than that, fewer blocks than stages, a batch the micro-batches do not divide, or
+    experts that --ep does not divide is a usage error: one line, exit status 2."""
+    return parse_args("mesh", argv, epochs=10, batch_size=32, lr=0.05, description=__doc__,
+                      extra=add_mesh_options, nproc=None, validate=_fit_mesh,
+                      nproc_help="ranks to spawn: dp*ep*cp*tp*pp, the default (ignored "
+                                 "when started by mpirun or torchrun)",
+                      batch_help="samples of one dp replica per step (every rank of the "
+                                 "replica sees them)")
+
+
+def _fit_mesh(args) -> None:
+    """Refuse flags that do not fit together (ValueError); fill in --experts and --nproc."""
     if args.experts is None:
         args.experts = 2 * args.ep if args.ep > 1 else 0
     if args.experts < 0 or args.experts % args.ep or (args.ep > 1 and not args.experts):
-        _refuse(f"--experts {args.experts} must be a positive multiple of --ep {args.ep}")
+        raise ValueError(f"--experts {args.experts} must be a positive multiple of --ep "
+                         f"{args.ep}")
     if args.experts and not 1 <= args.top_k <= args.experts:
-        _refuse(f"--top-k {args.top_k} must be between 1 and --experts {args.experts}")
+        raise ValueError(f"--top-k {args.top_k} must be between 1 and --experts "
+                         f"{args.experts}")
     if args.layers < args.pp:
-        _refuse(f"--pp {args.pp} stages need at least as many blocks, got --layers "
-                f"{args.layers}")
+        raise ValueError(f"--pp {args.pp} stages need at least as many blocks, got "
+                         f"--layers {args.layers}")
     if args.pp > 1 and args.batch_size % args.microbatches:
-        _refuse(f"--batch-size {args.batch_size} is not a multiple of --microbatches "
-                f"{args.microbatches}")
+        raise ValueError(f"--batch-size {args.batch_size} is not a multiple of "
+                         f"--microbatches {args.microbatches}")
     chunks = args.cp * (2 if args.layout == "zigzag" else 1)
     if IMAGE_ROWS % chunks:
-        _refuse(f"--cp {args.cp} with --layout {args.layout} cuts the {IMAGE_ROWS} rows "
-                f"into {chunks} chunks, which does not divide them")
+        raise ValueError(f"--cp {args.cp} with --layout {args.layout} cuts the "
+                         f"{IMAGE_ROWS} rows into {chunks} chunks, which does not divide "
+                         f"them")
     total = args.dp * args.ep * args.cp * args.tp * args.pp
-    if any(a == "--nproc" or a.startswith("--nproc=") for a in argv):
-        if args.nproc != total:
-            dims = "*".join(n for n in ("dp", "ep", "cp", "tp", "pp")
-                            if n in ("dp", "tp", "pp") or getattr(args, n) > 1)
-            _refuse(f"--nproc {args.nproc} must equal {dims} = {total}")
+    if args.nproc is not None and args.nproc != total:
+        dims = "*".join(n for n in ("dp", "ep", "cp", "tp", "pp")
+                        if n in ("dp", "tp", "pp") or getattr(args, n) > 1)
+        raise ValueError(f"--nproc {args.nproc} must equal {dims} = {total}")
     args.nproc = total
-    return args
 
 
 if __name__ == "__main__":   # parse first: a bad flag is refused before torch loads
@@ -153,7 +154,7 @@ from examples.common.mesh_model import (ROWS, averaging_groups,  # noqa: E402
                                         predicted_bytes, row_transformer, stage_pieces,
                                         tensor_parallel)
 from examples.common.mnist import load_mnist  # noqa: E402
-from examples.common.trace import Tracer  # noqa: E402
+from collectives import trace  # noqa: E402
 from parallel import DDP, FSDP, DeviceMesh, ShardSampler  # noqa: E402
 from parallel.ep import MoE, average_expert_grads, replicate_outside_experts  # noqa: E402
 from parallel.pp import PipelineStage, Schedule1F1B, ScheduleGPipe  # noqa: E402
@@ -211,7 +212,7 @@ class _Replica:
             self.schedule = SCHEDULES[args.schedule](stage, args.microbatches,
                                                       F.cross_entropy)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, opt, tracer: Tracer, step_no: int):
+    def step(self, x: torch.Tensor, y: torch.Tensor, opt, tracer: trace.Tracer, step_no: int):
         """One training step; returns the batch's mean loss on the last stage, else None."""
         if self.schedule is None:
             with tracer.span("forward"):
@@ -249,12 +250,12 @@ class _Replica:
         return h
 
 
-def train_on_mesh(pg, args, dense: nn.Sequential, tracer: Tracer = None) -> dict:
+def train_on_mesh(pg, args, dense: nn.Sequential, tracer: trace.Tracer = None) -> dict:
     """Train a copy of ``dense`` on the (dp, ep, pp, cp, tp) mesh over ``pg``. Returns the epochs'
     mean losses (over every replica), this rank's loss of each step (the mean over its dp
     shard of the batch; on the last stage's ranks only, else empty), the steps, the measured
     and the predicted bytes per step on each dimension, the mesh and the replica."""
-    tracer = tracer or Tracer(pg.rank, enabled=False)
+    tracer = tracer or trace.Tracer(None, pg.rank)
     mesh = DeviceMesh(pg, (args.dp, args.ep, args.pp, args.cp, args.tp), NAMES)
     averaging = averaging_groups(mesh)
     counted = {name: CountingGroup(tracer.wrap(mesh[name], name)) for name in NAMES}
@@ -341,7 +342,7 @@ def accuracy(run: dict, args, pg) -> float:
 
 def main(args):
     pg = collectives.init_process_group(args.backend)
-    tracer = Tracer(pg.rank, enabled=args.trace is not None)
+    tracer = trace.to_file(pg, args.trace)
     start = time.perf_counter()
     run = train_on_mesh(pg, args, dense_model(args), tracer)
     wall_s = time.perf_counter() - start

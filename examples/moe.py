@@ -52,16 +52,18 @@ def add_moe_options(p) -> None:
 
 def moe_args(argv=None):
     """The example's options. Spawning ``--nproc`` ranks that do not divide ``--experts``
-    ends the program with status 2 and a message (under mpirun or torchrun the layer
+    is a usage error, one line and exit status 2 (under mpirun or torchrun the layer
     itself refuses, with a ValueError naming both)."""
-    args = parse_args("moe", argv, epochs=5, batch_size=32, lr=0.05, description=__doc__,
-                      extra=add_moe_options)
+    return parse_args("moe", argv, epochs=5, batch_size=32, lr=0.05, description=__doc__,
+                      extra=add_moe_options, validate=_fit_experts)
+
+
+def _fit_experts(args) -> None:
+    """ValueError if the ranks this process spawns do not divide the experts."""
     single = collectives.detect_rendezvous().launcher == "single"
     if single and args.experts % args.nproc:
-        print(f"examples/moe.py: --experts {args.experts} is not divisible by --nproc "
-              f"{args.nproc}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    return args
+        raise ValueError(f"--experts {args.experts} is not divisible by --nproc "
+                         f"{args.nproc}")
 
 
 if __name__ == "__main__":   # parse first: a bad flag is refused before torch loads
@@ -74,7 +76,7 @@ from torch.utils.data import BatchSampler  # noqa: E402
 
 from examples.common.harness import progress, sharded_accuracy  # noqa: E402
 from examples.common.mnist import load_mnist  # noqa: E402
-from examples.common.trace import Tracer  # noqa: E402
+from collectives import trace  # noqa: E402
 from parallel import DDP, ShardSampler  # noqa: E402
 from parallel.ep import MoE, average_expert_grads, replicate_outside_experts  # noqa: E402
 
@@ -151,7 +153,7 @@ def load_report(counts: torch.Tensor, dropped: int) -> tuple:
 
 def main(args):
     pg = collectives.init_process_group(args.backend)
-    tracer = Tracer(pg.rank, enabled=args.trace is not None)
+    tracer = trace.to_file(pg, args.trace)
     group = tracer.wrap(pg)
     x_train, y_train = map(torch.from_numpy, load_mnist(args.data_dir, "train"))
     x_test, y_test = map(torch.from_numpy, load_mnist(args.data_dir, "test"))

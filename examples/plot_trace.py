@@ -16,9 +16,14 @@ its ``pipeline`` slices with --pp > 1), ``--steps`` how many.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from collectives.cli_flags import add_flag, flag_parser, nonnegative_int  # noqa: E402
 
 COLOURS = {"dp": "tab:blue", "tp": "tab:orange", "pp": "tab:green", "cp": "tab:red",
            None: "tab:grey"}
@@ -57,12 +62,12 @@ def comm_slices(events: list) -> list:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("trace")
-    p.add_argument("png")
-    p.add_argument("--step", type=int, default=20, help="first step drawn (default: 20)")
-    p.add_argument("--steps", type=int, default=2, help="steps drawn (default: 2)")
+    p = flag_parser("examples/plot_trace.py", __doc__)
+    p.add_argument("trace", help="a --trace FILE of an example")
+    p.add_argument("png", help="the picture to write")
+    p.add_argument("--step", type=nonnegative_int, default=20,
+                   help="first step drawn (default: %(default)s)")
+    add_flag(p, "--steps", default=2, help="steps drawn")
     args = p.parse_args(argv)
 
     import matplotlib

@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from collectives.cli_flags import positive_int  # noqa: E402
 from examples.common.cli import launch, parse_args, print_summary  # noqa: E402
 
 TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "zb": "ZB-H1", "interleaved": "interleaved 1F1B"}
@@ -30,21 +31,27 @@ TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "zb": "ZB-H1", "interleaved": "inter
 def _options(p) -> None:
     p.add_argument("--schedule", choices=sorted(TITLES), default="1f1b",
                    help="pipeline schedule (default: %(default)s)")
-    p.add_argument("--microbatches", type=int, default=4,
+    p.add_argument("--microbatches", type=positive_int, default=4,
                    help="micro-batches per step; must divide --batch-size (default: "
                         "%(default)s)")
-    p.add_argument("--virtual-stages", type=int, default=2,
+    p.add_argument("--virtual-stages", type=positive_int, default=2,
                    help="stages per rank for --schedule interleaved (default: %(default)s)")
     p.add_argument("--picture", metavar="FILE.png", default=None,
                    help="draw the schedule (and, with --trace, the measured last step)")
 
 
+def _fit_microbatches(args) -> None:
+    """ValueError unless the micro-batches divide the batch."""
+    if args.batch_size % args.microbatches:
+        raise ValueError(f"--batch-size {args.batch_size} is not a multiple of "
+                         f"--microbatches {args.microbatches}")
+
+
 if __name__ == "__main__":   # parse first: a bad flag is refused before torch loads
     ARGS = parse_args("pp", epochs=4, batch_size=64, lr=0.05, description=__doc__,
-                      extra=_options)
-    if ARGS.batch_size % ARGS.microbatches:
-        sys.exit(f"examples/pp.py: --batch-size {ARGS.batch_size} is not a multiple of "
-                 f"--microbatches {ARGS.microbatches}")
+                      extra=_options, validate=_fit_microbatches,
+                      batch_help="the whole pipeline's samples per step (every rank sees "
+                                 "them), split into --microbatches")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -53,7 +60,7 @@ from torch import nn  # noqa: E402
 import collectives  # noqa: E402
 from examples.common.harness import progress  # noqa: E402
 from examples.common.mnist import load_mnist  # noqa: E402
-from examples.common.trace import Tracer  # noqa: E402
+from collectives import trace  # noqa: E402
 from parallel.pp import (PipelineStage, Schedule1F1B, ScheduleGPipe,  # noqa: E402
                          ScheduleInterleaved1F1B, ScheduleZeroBubble, draw_png,
                          split_sequential)
@@ -92,7 +99,7 @@ def pipeline_forward(stages: dict, pg, num_stages: int, x: torch.Tensor, widths:
 
 def main(args):
     pg = collectives.init_process_group(args.backend)
-    tracer = Tracer(pg.rank, enabled=args.trace is not None)
+    tracer = trace.to_file(pg, args.trace)
     x_train, y_train = map(torch.from_numpy, load_mnist(args.data_dir, "train"))
     x_test, y_test = map(torch.from_numpy, load_mnist(args.data_dir, "test"))
 

@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from examples.common.cli import launch, parse_args, print_summary  # noqa: E402
 
 if __name__ == "__main__":   # parse first: a bad flag is refused before torch loads
-    ARGS = parse_args("tp", epochs=3, batch_size=32, lr=0.05, description=__doc__)
+    ARGS = parse_args("tp", epochs=3, batch_size=32, lr=0.05, description=__doc__,
+                      batch_help="samples per step (every rank sees the same batch)")
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -41,7 +42,7 @@ from torch.utils.data import BatchSampler  # noqa: E402
 import collectives  # noqa: E402
 from examples.common.harness import build_mlp, progress, traced_step  # noqa: E402
 from examples.common.mnist import load_mnist  # noqa: E402
-from examples.common.trace import Tracer  # noqa: E402
+from collectives import trace  # noqa: E402
 from parallel import ShardSampler  # noqa: E402
 from parallel.tp import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 
@@ -64,10 +65,10 @@ def tp_mlp(dense: nn.Sequential, group) -> nn.Sequential:
     )
 
 
-def train(model: nn.Module, args, rank: int = 0, tracer: Tracer = None) -> list:
+def train(model: nn.Module, args, rank: int = 0, tracer: trace.Tracer = None) -> list:
     """SGD with momentum over ``args.epochs`` epochs of the training split, the same batch
     order on every rank; returns each epoch's mean loss."""
-    tracer = tracer or Tracer(rank, enabled=False)
+    tracer = tracer or trace.Tracer(None, rank)
     x_train, y_train = map(torch.from_numpy, load_mnist(args.data_dir, "train"))
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     sampler = ShardSampler(len(x_train), 0, 1, seed=args.seed)   # one shard: all of it
@@ -96,7 +97,7 @@ def accuracy(model: nn.Module, args) -> float:
 
 def main(args):
     pg = collectives.init_process_group(args.backend)
-    tracer = Tracer(pg.rank, enabled=args.trace is not None)
+    tracer = trace.to_file(pg, args.trace)
     model = tp_mlp(dense_mlp(args.seed), tracer.wrap(pg))
 
     start = time.perf_counter()

@@ -174,9 +174,18 @@ def test_missing_mpiexec_is_a_message(monkeypatch, capsys):
     assert "mpi4py" in err and "mpiexec" in err and "Traceback" not in err
 
 
-def test_bad_arguments_are_messages(capsys):
-    assert main(["--backend", "no-such-backend"]) == 2
-    assert "--backend" in capsys.readouterr().err
+def test_bad_arguments_are_messages(capsys, monkeypatch):
+    with pytest.raises(SystemExit) as info:   # refused by the parser (cli_flags.backend_name)
+        main(["--backend", "no-such-backend"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(err.splitlines()) == 1
+    assert "argument --backend: unknown backend 'no-such-backend'" in err
+    # a backend we know whose library is missing here: refused after the parse, as a usage
+    # error too
+    monkeypatch.setattr("collectives.registry.available_backends", lambda: ["shm"])
+    assert main(["--backend", "zmq"]) == 2
+    assert "argument --backend: 'zmq' is not available here" in capsys.readouterr().err
+    monkeypatch.undo()
     assert main(["--peer", "nccl-tests"]) == 2
     assert "--peer" in capsys.readouterr().err
     with pytest.raises(SystemExit):

@@ -1,6 +1,6 @@
 """docs/cp.md runs as written: its Python script runs on two spawned ranks (the stated
-output checked), its commands parse with the scripts' own option parsers, and the
-README links to it and to the overlap picture."""
+output checked), its commands parse with the scripts' own option parsers, the README
+links to it, and it shows the overlap picture."""
 
 from __future__ import annotations
 
@@ -63,6 +63,6 @@ def test_commands_parse():
     assert seen == {"examples/cp.py", "examples/mesh.py", "examples/plot_trace.py"}
 
 
-def test_readme_links_the_page_and_the_picture():
+def test_readme_links_the_page_and_the_page_shows_the_picture():
     readme = (ROOT / "README.md").read_text()
-    assert "[docs/cp.md](docs/cp.md)" in readme and "(docs/cp_trace.png)" in readme
+    assert "[docs/cp.md](docs/cp.md)" in readme and "(cp_trace.png)" in PAGE.read_text()

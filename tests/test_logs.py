@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: Modules whose job is to print: command lines and their output.
 COMMAND_LINES = ("collectives/bench/", "collectives/doctor.py", "collectives/env_report.py",
-                 "collectives/cli.py", "collectives/settings.py", "parallel/ft/__main__.py")
+                 "collectives/cli.py", "collectives/settings.py", "collectives/trace_merge.py",
+                 "parallel/ft/__main__.py")
 
 TWO_RANKS = textwrap.dedent("""
     import numpy as np, collectives

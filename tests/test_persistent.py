@@ -599,7 +599,7 @@ def test_fast_path_leaves_unaligned_and_read_only_arrays_to_the_general_path(mon
 
 def test_base_overhead_benchmark_runs_and_the_fast_path_is_faster():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "base_overhead.py"),
-                           "--iters", "500", "--repeats", "5"], cwd=ROOT, capture_output=True,
+                           "--iters", "500", "--repeat", "5"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
@@ -630,11 +630,11 @@ def test_bench_persistent_mode(tmp_path):
     assert "through persistent requests" in proc.stdout
 
 
-def test_readme_example_prints_what_the_readme_says(tmp_path):
-    """The README's "Persistent collectives" script, saved and run as a user would."""
+def test_docs_example_prints_what_the_page_says(tmp_path):
+    """docs/persistent.md's script, saved and run as a user would."""
     import re
 
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "persistent.md").read_text()
     at = readme.index("`persistent_allreduce.py`")
     blocks = re.compile(r"```(\w*)\n(.*?)\n```", re.S)
     script = blocks.search(readme, at)

@@ -1,14 +1,17 @@
-"""Every code block of README.md that a reader can run, checked against the code.
+"""Every code block of README.md and of every page in docs/ that a reader can run,
+checked against the code.
 
-Two kinds of checks, one test per README block or command, each named by the nearest
-heading and the README line, so that a failure says where the README went stale:
+Two kinds of checks, one test per block or command, each named by its page, the nearest
+heading and the line, so that a failure says where the documentation went stale:
 
-- ``test_python_block``: every ```python block that ``tests/test_readme_kit.py`` does not
-  already run, saved in a fresh folder and started with ``python FILE`` (``PYTHONPATH`` =
-  the repository root, ``OMP_NUM_THREADS=1``), must exit 0 within its timeout. Where the
-  README states the output next to the block (a comment on the ``print`` line, a
-  following unlabelled block after "prints", or "prints `...`" right after the block),
-  the key parts of it must appear in what the block printed.
+- ``test_python_block``: every ```python block that ``tests/test_readme_kit.py`` (or a
+  page's own test, ``RUN_ELSEWHERE``) does not already run, saved in a fresh folder and
+  started with ``python FILE`` (``PYTHONPATH`` = the repository root,
+  ``OMP_NUM_THREADS=1``), must exit 0 within its timeout. Where the page states the
+  output next to the block (a comment on the ``print`` line, a following unlabelled
+  block after "prints", or "prints `...`" right after the block), the key parts of it
+  must appear in what the block printed; a Python literal in the comment of the block's
+  last ``print`` line must equal the last line printed.
 - ``test_command_arguments``: every shell command in ```bash and unlabelled blocks that
   starts a script of ours (``python examples/X.py``, ``mpiexec -n N python ...``,
   ``torchrun ... SCRIPT ...``, ``python benchmarks/X.py``, ``python -m collectives.X``,
@@ -18,10 +21,19 @@ heading and the README line, so that a failure says where the README went stale:
   with ``ArgumentParser.parse_args`` patched to stop right after a successful parse (the
   examples instead stop in ``examples.common.cli.launch``, so their own checks after
   the parse, e.g. mesh.py's ``--nproc`` = dp*tp*pp, run too); an unknown, abbreviated or
-  malformed flag is argparse's exit status 2 and fails the test that names the README
-  line. Inline `spans` of the prose that start such a command are checked the same way.
+  malformed flag is argparse's exit status 2 and fails the test that names the page
+  and line. Inline `spans` of the prose that start such a command are checked the same way;
+  ``collectives CMD`` (the installed command) is ``python -m collectives CMD``.
+- ``test_reader_script_command``: a command that runs a script the page has the reader
+  save (``python which_path.py``, ``mpiexec -n 2 python hello.py``, ``torchrun ...
+  hello.py``) runs it, saved from the page's block, under that launcher and environment:
+  it must exit 0, and print last the literal its comment states, if any.
+- Blocks that cannot run on a CPU-only machine of one host carry a ``<!-- not-run:
+  REASON -->`` marker on the line above their fence: they are left out of both checks,
+  listed by ``test_not_run_blocks_are_few_and_say_why``, and at most
+  ``MAX_NOT_RUN`` of them are allowed.
 
-The README is split into blocks and commands by ``tests/readme_parse.py``.
+The pages are split into blocks and commands by ``tests/readme_parse.py``.
 
 Run: ``python -m pytest tests/test_readme_blocks.py -q``.
 """
@@ -33,6 +45,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,15 +56,17 @@ from typing import Callable
 
 import pytest
 
-from readme_parse import (BLOCKS, KIT_LINES, PYTHON_BLOCKS, ROOT, Block, Command,
-                          inline_commands, readme_commands)
+from readme_parse import (BLOCKS, KIT_BLOCKS, PAGES, PYTHON_BLOCKS, ROOT, RUN_ELSEWHERE,
+                          Block, Command, ScriptRun, inline_commands, not_run_markers,
+                          page_inline_commands, page_text, readme_blocks, readme_commands,
+                          reader_script_runs)
 
 #: Seconds one python block may run; the slowest measured here took well under half.
 BLOCK_TIMEOUT = 180.0
 PARSE_ONLY = ROOT / "tests" / "scripts" / "parse_only.py"
 
 
-# ------------------------------------------------------------ what the README says they print
+# ------------------------------------------------------------ what the pages say they print
 
 def _squash(text: str) -> str:
     return " ".join(text.split())
@@ -72,7 +87,7 @@ def _expect_output_block(block: Block, out: str) -> list[str]:
         return []
     lines = [l.rstrip() for l in out.splitlines()]
     missing = [l for l in nxt.text.splitlines() if l.strip() and l.rstrip() not in lines]
-    assert not missing, (f"README line {nxt.line}: the output shown is not what the block "
+    assert not missing, (f"{nxt.where}: the output shown is not what the block "
                          f"printed; missing lines {missing}\n--- printed:\n{out}")
     return nxt.text.splitlines()
 
@@ -90,13 +105,39 @@ def _expect_prints_spans(block: Block, out: str) -> list[str]:
     printed = _squash(out)
     missing = [s for s in spans
                if not re.search(r"(?<!\S)" + re.escape(s) + r"(?!\S)", printed)]
-    assert not missing, (f"README after line {block.line}: says it prints {missing}\n"
+    assert not missing, (f"{block.page} after line {block.line}: says it prints {missing}\n"
                          f"--- printed:\n{out}")
     return spans
 
 
 def _last_literal(out: str):
     return ast.literal_eval(out.strip().splitlines()[-1])
+
+
+def _stated_literal(block: Block):
+    """The Python literal in the comment of the block's last ``print(`` line, or None:
+    ``print(collectives.spawn(main, 2))   # [True, True]``."""
+    prints = [l for l in block.text.splitlines() if "print(" in l and "#" in l]
+    if not prints:
+        return None
+    try:
+        return (ast.literal_eval(prints[-1].split("#", 1)[1].strip()),)
+    except (ValueError, SyntaxError):
+        return None
+
+
+def _expect_stated_literal(block: Block, out: str) -> list[str]:
+    stated = _stated_literal(block)
+    if stated is None:
+        return []
+    printed = out.strip().splitlines()[-1] if out.strip() else ""
+    try:
+        got = ast.literal_eval(printed)
+    except (ValueError, SyntaxError):
+        got = printed
+    assert got == stated[0], (f"{block.where}: the last print says {stated[0]!r} in its "
+                              f"comment, the block printed {printed!r}\n--- printed:\n{out}")
+    return [repr(stated[0])]
 
 
 def _check_api(block: Block, out: str) -> None:
@@ -141,7 +182,7 @@ def _check_mesh(block: Block, out: str) -> None:
     assert sorted(lines) == list(range(8)), "expected a line for each of ranks 0-7"
 
 
-#: A marker (a line of the block) -> a check of the printed output against the README's
+#: A marker (a line of the block) -> a check of the printed output against the page's
 #: comment on that block. Each marker must be in exactly one block
 #: (``test_every_output_check_names_one_block``).
 OUTPUT_CHECKS: dict[str, Callable[[Block, str], None]] = {
@@ -167,6 +208,10 @@ def _block_params() -> list:
         m in b.text for m in SLOW_MARKERS) else []) for b in PYTHON_BLOCKS]
 
 
+#: The most ``not-run`` blocks the pages may hold: exceptions stay few.
+MAX_NOT_RUN = 4
+
+
 def run_block(block: Block, timeout: float = BLOCK_TIMEOUT):
     """Save the block as readme_block.py in a fresh folder and run ``python`` on it."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
@@ -188,12 +233,12 @@ BLOCK_WORKERS = 2
 def block_runs(request):
     """Every selected python block started once, BLOCK_WORKERS at a time; each test waits
     for its own."""
-    selected = sorted({item.callspec.params["block"].line for item in request.session.items
+    selected = sorted({item.callspec.params["block"].id for item in request.session.items
                        if getattr(item, "originalname", "") == "test_python_block"})
-    by_line = {b.line: b for b in PYTHON_BLOCKS}
+    by_id = {b.id: b for b in PYTHON_BLOCKS}
     pool = ThreadPoolExecutor(BLOCK_WORKERS)
     try:
-        yield {line: pool.submit(run_block, by_line[line]) for line in selected}
+        yield {key: pool.submit(run_block, by_id[key]) for key in selected}
     finally:                          # after a -x stop, start no block still waiting
         pool.shutdown(wait=True, cancel_futures=True)
 
@@ -201,21 +246,23 @@ def block_runs(request):
 @pytest.mark.parametrize("block", _block_params())
 def test_python_block(block: Block, block_runs):
     try:
-        done, seconds = block_runs[block.line].result()
+        done, seconds = block_runs[block.id].result()
     except subprocess.TimeoutExpired:
-        pytest.fail(f"README line {block.line}: still running after {BLOCK_TIMEOUT:.0f} s")
-    print(f"README line {block.line} ({block.heading}): {seconds:.1f} s")
-    assert done.returncode == 0, (f"README line {block.line}: exit status "
+        pytest.fail(f"{block.where}: still running after {BLOCK_TIMEOUT:.0f} s")
+    print(f"{block.where} ({block.heading}): {seconds:.1f} s")
+    assert done.returncode == 0, (f"{block.where}: exit status "
                                   f"{done.returncode}\n{done.stderr[-3000:]}")
-    checked = _expect_output_block(block, done.stdout) + _expect_prints_spans(block,
-                                                                               done.stdout)
+    checked = (_expect_output_block(block, done.stdout)
+               + _expect_prints_spans(block, done.stdout))
+    if not any(m in block.text for m in OUTPUT_CHECKS):
+        checked += _expect_stated_literal(block, done.stdout)
     for marker, check in OUTPUT_CHECKS.items():
         if marker in block.text:
             try:
                 check(block, done.stdout)
             except AssertionError as exc:
                 raise AssertionError(
-                    f"README line {block.line}: the block did not print what the README "
+                    f"{block.where}: the block did not print what the page "
                     f"says next to `{marker}`: {exc}\n--- printed:\n{done.stdout}") from None
             checked.append(marker)
     print(f"  checked {len(checked)} stated outputs")
@@ -230,20 +277,56 @@ def test_every_block_with_a_stated_output_is_checked():
         generic = block.after.strip().startswith("prints")   # both generic checks need it
         generic = generic or (block.after.strip() == "" and block.next_block is not None
                               and block.next_block.lang == "")
+        generic = generic or _stated_literal(block) is not None
         assert not states or generic or any(m in block.text for m in OUTPUT_CHECKS), \
-            f"README line {block.line}: states an output that no check reads"
+            f"{block.where}: states an output that no check reads"
 
 
 def test_every_output_check_names_one_block():
     for marker in [*OUTPUT_CHECKS, *SLOW_MARKERS]:
-        holders = [b.line for b in PYTHON_BLOCKS if marker in b.text]
+        holders = [b.id for b in PYTHON_BLOCKS if marker in b.text]
         assert len(holders) == 1, f"output check {marker!r} matches blocks {holders}"
 
 
 def test_the_block_finder_sees_the_kit_blocks_and_the_others():
-    assert len(KIT_LINES) >= 3, KIT_LINES                      # the kit's scripts
-    assert all(b.lang == "python" for b in BLOCKS if b.line in KIT_LINES)
-    assert len(PYTHON_BLOCKS) >= 8, [b.id for b in PYTHON_BLOCKS]
+    assert len(KIT_BLOCKS) >= 3, KIT_BLOCKS                    # the kit's scripts
+    assert all(b.lang == "python" for b in BLOCKS if (b.page, b.line) in KIT_BLOCKS)
+    assert len(PYTHON_BLOCKS) >= 15, [b.id for b in PYTHON_BLOCKS]
+    assert {"README.md", "docs/getting-started.md", "docs/concepts.md"} <= set(PAGES)
+    assert any(b.page == "README.md" for b in PYTHON_BLOCKS)
+
+
+def test_a_page_run_elsewhere_is_run_by_its_test():
+    # The generic runner leaves these pages' python blocks to their own test: that test
+    # must still read the page and run them.
+    for page, test in RUN_ELSEWHERE.items():
+        source = (ROOT / test).read_text()
+        assert page.split("/")[-1] in source and "python" in source, (page, test)
+        assert any(b.page == page and b.lang == "python" for b in BLOCKS), page
+
+
+def test_not_run_blocks_are_few_and_say_why():
+    marked = [b for b in BLOCKS if b.not_run]
+    for block in marked:
+        print(f"not run: {block.where} ({block.lang or 'text'}): {block.not_run}")
+    print(f"{len(marked)} block(s) not run, of {len(BLOCKS)} on {len(PAGES)} pages")
+    assert len(marked) <= MAX_NOT_RUN, [b.where for b in marked]
+    for page in PAGES:
+        text = page_text(page)
+        at_blocks = {(b.line, b.not_run) for b in BLOCKS if b.page == page and b.not_run}
+        for line, reason in not_run_markers(text):
+            assert reason, f"{page} line {line}: a not-run marker must say why"
+            following = [b for b in BLOCKS if b.page == page and b.line > line]
+            assert following and (following[0].line, reason) in at_blocks, \
+                f"{page} line {line}: the not-run marker is not right above a code block"
+
+
+def test_a_not_run_marker_is_read_from_the_line_above_the_fence():
+    text = ("# t\n\n<!-- not-run: needs a GPU -->\n```python\nimport torch\n```\n\n"
+            "```bash\npython examples/ddp.py\n```\n")
+    first, second = readme_blocks(text, "made-up.md")
+    assert (first.not_run, second.not_run) == ("needs a GPU", "")
+    assert readme_commands([first]) == [] and len(readme_commands([second])) == 1
 
 
 #: Seconds one script may run in the bootstrap before it counts as past its parser.
@@ -256,7 +339,7 @@ def _parses_with_argparse(path: Path) -> bool:
 
 
 def bootstrap_checks(cmd: Command) -> list[dict]:
-    """What the bootstrap runs for one README command: torchrun's own parser on its
+    """What the bootstrap runs for one command of a page: torchrun's own parser on its
     options, then the script's (or module's) parser on the script's arguments."""
     checks: list[dict] = []
     if cmd.inline and not cmd.argv and not cmd.launcher:
@@ -285,7 +368,7 @@ def run_bootstrap(checks: list[dict], timeout: float = 600.0) -> list[dict]:
         return json.loads(done.read_text())
 
 
-COMMANDS = readme_commands(BLOCKS, inline_commands())
+COMMANDS = readme_commands(BLOCKS, page_inline_commands())
 #: Commands that must NOT pass, run in the same bootstrap: proof that the patched parsers
 #: still refuse (an unknown flag, a malformed value, an example's own check after the
 #: parse, a module's parser, torchrun's).
@@ -305,7 +388,7 @@ MUST_FAIL = [
 
 @pytest.fixture(scope="module")
 def parse_results() -> dict[int, list[dict]]:
-    """The bootstrap's outcomes for every README command and MUST_FAIL, run once."""
+    """The bootstrap's outcomes for every command of the pages and MUST_FAIL, run once."""
     plan = [(i, c) for i, c in enumerate(COMMANDS + MUST_FAIL)]
     checks, owners = [], []
     for i, cmd in plan:
@@ -326,15 +409,24 @@ def _check_launcher(cmd: Command) -> None:
     if cmd.launcher in ("mpiexec", "mpirun"):
         args = cmd.launcher_args
         assert len(args) == 2 and args[0] in ("-n", "-np") and args[1].isdigit() \
-            and int(args[1]) >= 1, (f"README line {cmd.line}: {cmd.launcher} options "
+            and int(args[1]) >= 1, (f"{cmd.where}: {cmd.launcher} options "
                                     f"{args}, expected -n N")
+
+
+#: Commands a page shows being refused (docs/startup.md: "a bad flag is refused before
+#: torch is imported"), as (script, arguments): they must exit with argparse's status 2.
+DOCUMENTED_REFUSALS = {("examples/ddp.py", ("--backend", "foo"))}
 
 
 @pytest.mark.parametrize("index", range(len(COMMANDS)),
                          ids=[c.id for c in COMMANDS])
 def test_command_arguments(index: int, parse_results):
     cmd = COMMANDS[index]
-    where = f"README line {cmd.line}: `{cmd.source}`"
+    where = f"{cmd.where}: `{cmd.source}`"
+    if (cmd.target, tuple(cmd.argv)) in DOCUMENTED_REFUSALS:
+        assert [(r["outcome"], r["code"]) for r in parse_results[index]] == [("exit", 2)], \
+            f"{where}: the page shows it refused, but it was not: {parse_results[index]}"
+        return
     _check_launcher(cmd)
     if cmd.kind == "module":
         assert importlib.util.find_spec(cmd.target) is not None, f"{where}: no module"
@@ -348,7 +440,10 @@ def test_command_arguments(index: int, parse_results):
             missing = [a for a in cmd.argv if f'"{a}"' not in source and f"'{a}'" not in source]
             assert not missing, f"{where}: {cmd.target} knows no {missing}"
     for result in parse_results[index]:
-        assert result["outcome"] == "accepted", (
+        # accepted: the parser took the arguments; exit 0: the command only printed
+        # (`collectives --version`) and ran nothing
+        assert result["outcome"] == "accepted" or (result["outcome"], result["code"]) == (
+            "exit", 0), (
             f"{where}: {result['target']} did not accept the arguments "
             f"({result['outcome']}, exit status {result['code']}):\n{result['stderr']}")
 
@@ -364,6 +459,7 @@ def test_a_wrong_argument_is_refused(index: int, parse_results):
 def test_the_commands_cover_every_launcher_and_kind():
     launchers = {c.launcher for c in COMMANDS}
     assert {"", "torchrun"} <= launchers and launchers & {"mpiexec", "mpirun"}, launchers
+    assert any(c.target == "collectives" for c in COMMANDS)     # the installed command
     assert any(c.kind == "module" for c in COMMANDS)
     assert any(c.env for c in COMMANDS)
     assert len(COMMANDS) >= 20, [c.id for c in COMMANDS]
@@ -382,6 +478,9 @@ def test_the_command_finder_on_a_made_up_block():
         "rank 0 | python examples/ddp.py is output, not a command",
         "python my_own_file.py --anything",
         "python -m collectives.bench --ops all",
+        "srun -N 2 --ntasks-per-node 2 python examples/ddp.py --backend zmq",
+        "collectives bench --nproc 2 --sizes 4K,1M",
+        "torchrun --nproc-per-node 2 my_own_file.py",
     ]) + "\n"
     got = [(c.line, c.env, c.launcher, c.launcher_args, c.target, c.argv)
            for c in readme_commands([Block("bash", 10, "# x", text)])]
@@ -396,6 +495,9 @@ def test_the_command_finder_on_a_made_up_block():
         (16, {}, "", [], "benchmarks/x.py", ["--s", "b", "--n", "2"]),
         (16, {}, "", [], "benchmarks/x.py", ["--s", "b", "--n", "4"]),
         (20, {}, "", [], "collectives.bench", ["--ops", "all"]),
+        (21, {}, "srun", ["-N", "2", "--ntasks-per-node", "2"], "examples/ddp.py",
+         ["--backend", "zmq"]),
+        (22, {}, "", [], "collectives", ["bench", "--nproc", "2", "--sizes", "4K,1M"]),
     ], got
 
 
@@ -407,3 +509,60 @@ def test_a_prose_span_is_a_command_with_placeholders_as_values():
     [cmd] = readme_commands([], spans)
     assert (cmd.kind, cmd.target, cmd.argv, cmd.inline) == (
         "module", "collectives.bench", ["--nproc", "1", "--memcpy"], True)
+
+
+# ------------------------------------------------------------ the reader's own scripts
+
+#: The commands that run a script a page has the reader save, but those of the scripts
+#: tests/test_readme_kit.py runs with checks of its own.
+SCRIPT_RUNS = [r for r in reader_script_runs() if (r.page, r.block.line) not in KIT_BLOCKS]
+
+
+def _leading_literal(comment: str):
+    """``[True, True] where the core is built`` -> ([True, True],); None without one."""
+    for end in range(len(comment), 0, -1):
+        if comment[end - 1] in "])}'\"0123456789eE":
+            try:
+                return (ast.literal_eval(comment[:end]),)
+            except (ValueError, SyntaxError):
+                continue
+    return None
+
+
+def _script_argv(run: ScriptRun) -> list[str]:
+    if run.launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", *run.launcher_args,
+                run.name, *run.argv]
+    python = [sys.executable, run.name, *run.argv]
+    return [run.launcher, *run.launcher_args, *python] if run.launcher else python
+
+
+@pytest.mark.parametrize("run", SCRIPT_RUNS, ids=[r.id for r in SCRIPT_RUNS])
+def test_reader_script_command(run: ScriptRun):
+    if run.launcher in ("mpiexec", "mpirun") and shutil.which(run.launcher) is None:
+        pytest.skip(f"no {run.launcher} here")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **run.env, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    with tempfile.TemporaryDirectory(prefix="readme-script-") as folder:
+        Path(folder, run.name).write_text(run.block.text)
+        done = subprocess.run(_script_argv(run), cwd=folder, env=env, text=True,
+                              capture_output=True, timeout=BLOCK_TIMEOUT)
+    assert done.returncode == 0, (f"{run.where}: `{run.source}` exited with "
+                                  f"{done.returncode}\n{done.stderr[-3000:]}")
+    stated = _leading_literal(run.stated)
+    if stated is not None:
+        last = done.stdout.strip().splitlines()[-1]
+        assert ast.literal_eval(last) == stated[0], (
+            f"{run.where}: `{run.source}` printed {last!r}, the page says {stated[0]!r}")
+
+
+def test_the_reader_script_finder():
+    # hello.py under each launcher (docs/launching.md), which_path.py with a variable
+    # (docs/compiled-core.md): the kinds of command the finder must keep seeing
+    kinds = {(r.name, r.launcher, bool(r.env)) for r in SCRIPT_RUNS}
+    assert {("hello.py", ""), ("hello.py", "mpiexec"), ("hello.py", "torchrun")} <= {
+        (name, launcher) for name, launcher, _ in kinds}, kinds
+    assert ("which_path.py", "", True) in kinds, kinds
+    assert not any(r.name == "check_my_all_reduce.py" for r in SCRIPT_RUNS)   # the kit's
+    assert _leading_literal("[True, True] where the core is built") == ([True, True],)
+    assert _leading_literal("starts 2 local ranks") is None

@@ -145,3 +145,17 @@ def test_backend_without_regroups_is_refused_and_bad_arguments_are_named():
         same.close()
     finally:
         world.close()
+
+
+def test_nccl_refuses_naming_why():
+    """Without a GPU to run NCCL on, the refusal is checked on a group over an
+    unconnected NcclBackend: ``reform`` asks the backend before anything else."""
+    nccl = pytest.importorskip("backends.torchdist.nccl")
+    backend = nccl.NcclBackend.__new__(nccl.NcclBackend)
+    Backend.__init__(backend, 0, 1, 5.0)
+    pg = collectives.ProcessGroup(backend)
+    for call in (lambda: pg.shrink([]), lambda: pg.grow(2), lambda: pg.reform(0, 1, 1)):
+        with pytest.raises(NotImplementedError,
+                           match=r"\[rank 0/1\] reform: the nccl backend cannot re-form a "
+                                 r"group .*ncclCommAbort.*use gloo"):
+            call()

@@ -49,6 +49,9 @@ class NcclBackend(TorchBackend):
     #: are not watched (see `_exchange_pids`).
     native_reduce_scatter = True
 
+    def regroup_refusal(self) -> str:
+        return REGROUP_REFUSAL
+
     def __init__(self, rank: int, size: int, *, timeout: float, c10d: Any, store: Any,
                  prefix: str, device: torch.device) -> None:
         super().__init__(rank, size, timeout=timeout, c10d=c10d, store=store, prefix=prefix)
@@ -104,6 +107,16 @@ class NcclBackend(TorchBackend):
         t = torch.zeros(1, device=self.device)
         return self._issue(self._c10d("barrier").allreduce([t], ALLREDUCE_OPTS[ReduceOp.SUM]),
                            "barrier", seq, keep=[t])
+
+
+#: Why ``nccl`` does not declare ``Capabilities.regroups`` (what ``shrink``, ``grow``,
+#: ``reform`` and ``join_group`` raise, as ``NotImplementedError``).
+REGROUP_REFUSAL = (
+    "the nccl backend cannot re-form a group (shrink, grow, join): after a peer dies, a "
+    "NCCL communicator can hang in a kernel on the GPU until it is aborted "
+    "(ncclCommAbort), and re-forming one without restarting the process (ncclCommShrink, "
+    "or a new communicator after the abort) has not been built and tested here; use gloo "
+    "(CPU) for elastic jobs")
 
 
 def create_nccl(rendezvous: Rendezvous, timeout: float) -> TorchBackend:

@@ -15,36 +15,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
 import sys
 from typing import Optional, Sequence
 
+from ..cli_flags import FlagParser, add_flag, flag_parser, parse_size
 from .cases import DTYPES, OPS, check_world
 
 #: 4 B to 64 MiB by factors of 4.
 DEFAULT_SIZES = "4,16,64,256,1K,4K,16K,64K,256K,1M,4M,16M,64M"
-_SUFFIX = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
-           "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    """``"4"``, ``"4K"``, ``"1M"``, ``"64MiB"`` -> bytes (binary multiples).
-
-    >>> parse_size("64M")
-    67108864
-    """
-    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).upper() not in _SUFFIX:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size like "
-                                         f"4, 4K, 1M or 64M")
-    value = int(m.group(1)) * _SUFFIX[m.group(2).upper()]
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1 byte")
-    return value
-
-
-def _sizes(text: str) -> list[int]:
-    return sorted({parse_size(s) for s in text.split(",") if s.strip()})
 
 
 def _ops(text: str) -> list[str]:
@@ -58,34 +36,26 @@ def _ops(text: str) -> list[str]:
     return list(dict.fromkeys(ops))
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _parser(prog: str = "python -m collectives.bench") -> argparse.ArgumentParser:
+def _parser(prog: str = "python -m collectives.bench") -> FlagParser:
     from .peers import PEERS
-    p = argparse.ArgumentParser(
-        prog=prog,
-        description="nccl-tests style benchmarks of a backend's collectives, with the raw "
-                    "peer libraries side by side (time: median over iterations of the "
-                    "slowest rank; #wrong: wrong elements of the checked result).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--backend", default="shm", help="our backend to measure")
-    p.add_argument("--nproc", type=_positive, default=2, help="ranks")
-    p.add_argument("--ops", type=_ops, default="all_reduce",
+    p = flag_parser(
+        prog,
+        "nccl-tests style benchmarks of a backend's collectives, with the raw peer\n"
+        "libraries side by side (time: median over iterations of the slowest rank;\n"
+        "#wrong: wrong elements of the checked result).",
+        defaults_in_help=True)
+    add_flag(p, "--backend", default="shm", help="our backend to measure")
+    add_flag(p, "--nproc", default=2)
+    p.add_argument("--ops", type=_ops, default="all_reduce", metavar="LIST",
                    help=f"comma list of {', '.join(OPS)}, or 'all'")
-    p.add_argument("--sizes", type=_sizes, default=DEFAULT_SIZES,
-                   help="comma list of bytes with optional K/M/G suffixes (binary)")
+    add_flag(p, "--sizes", default=DEFAULT_SIZES)
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="element type")
-    p.add_argument("--iters", type=_positive, default=50,
-                   help="timed iterations per size (fewer for large sizes: --byte-budget)")
-    p.add_argument("--warmup", type=int, default=5,
-                   help="untimed iterations per size (fewer where --byte-budget cuts the "
-                        "timed ones, in proportion)")
-    p.add_argument("--byte-budget", type=parse_size, default="512M",
+    add_flag(p, "--iters", default=50,
+             help="timed iterations per size (fewer for large sizes: --byte-budget)")
+    add_flag(p, "--warmup", default=5,
+             help="untimed iterations per size (fewer where --byte-budget cuts the timed "
+                  "ones, in proportion)")
+    p.add_argument("--byte-budget", type=parse_size, default="512M", metavar="SIZE",
                    help="at most this many bytes in the timed iterations of one size "
                         "(at least 3 iterations)")
     p.add_argument("--peer", action="append", default=[], metavar="PEER",
@@ -105,12 +75,11 @@ def _parser(prog: str = "python -m collectives.bench") -> argparse.ArgumentParse
                    help="all_to_all with uneven split sizes: a fixed random pattern per "
                         "size, the same for every implementation (peers: mpi4py's "
                         "Alltoallv, torch's all_to_all_single with splits)")
-    p.add_argument("--json", metavar="FILE", help="write the rows to FILE")
+    add_flag(p, "--json")
     p.add_argument("--plot", metavar="FILE", help="draw busbw against size (matplotlib)")
-    p.add_argument("--timeout", type=float, default=120.0,
-                   help="seconds any one collective may wait before failing")
-    p.add_argument("--job-timeout", type=float, default=1800.0,
-                   help="seconds a whole job (one launcher's ranks) may take")
+    add_flag(p, "--timeout", default=120.0)
+    add_flag(p, "--job-timeout", default=1800.0,
+             help="seconds a whole job (one launcher's ranks) may take")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # a rank started by mpiexec
     return p
 

@@ -4,8 +4,10 @@ a fraction of a second (examples/ddp.py shows the pattern).
 
 The contract every example keeps (the README's Quick start runs ``examples/ddp.py``)::
 
-    python examples/NAME.py [--backend B] [--nproc N] [--epochs E] [--batch-size B]
-                            [--data-dir D] [--seed S] [--lr LR] [--trace FILE]
+    python examples/NAME.py [--backend NAME] [--nproc N] [--epochs N] [--batch-size N]
+                            [--data-dir D] [--seed N] [--lr LR] [--trace FILE]
+
+(the shared flags of ``collectives.cli_flags``: the benchmarks spell them the same).
 
 Rank 0 shows a tqdm bar on standard error (when it is a terminal and tqdm is installed)
 and prints, as the last line of standard output, one JSON object: ``{"example",
@@ -28,11 +30,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import collectives
 from collectives import warm_start
-from collectives.registry import check_backend_name
+from collectives.cli_flags import add_flag, flag_parser
 
 __all__ = ["SUMMARY_KEYS", "launch", "parse_args", "print_summary", "process_start_time"]
-
-BACKENDS = ("shm", "zmq", "mpi", "gloo", "nccl", "hier")
 
 
 def process_start_time(pid: Optional[int] = None) -> float:
@@ -62,45 +62,42 @@ _started_at: Optional[float] = None
 def parse_args(example: str, argv: Optional[Sequence[str]] = None, *, epochs: int = 3,
                batch_size: int = 32, lr: float = 0.05, description: str = "",
                extra: Optional[Callable[[argparse.ArgumentParser], None]] = None,
+               nproc: Optional[int] = 2, nproc_help: Optional[str] = None,
+               batch_help: Optional[str] = None,
+               validate: Optional[Callable[[argparse.Namespace], None]] = None,
                ) -> argparse.Namespace:
-    """The examples' common options; each example passes its own defaults, and
-    ``extra(parser)`` may add the example's own options.
+    """The examples' common options (the shared flags of :mod:`collectives.cli_flags`);
+    each example passes its own defaults, and ``extra(parser)`` may add the example's own
+    options. ``nproc_help`` and ``batch_help`` say what ``--nproc`` and ``--batch-size``
+    mean where an example differs from data parallelism (``nproc=None``: the example
+    derives it). ``validate(args)`` checks flags that must fit together and may fill in
+    derived values; its ``ValueError`` is a usage error (one line, exit status 2).
 
     ``--backend`` defaults to the launcher's: ``mpi`` under mpirun, ``COLLECTIVES_BACKEND``
     when set, ``shm`` otherwise.
     """
-    p = argparse.ArgumentParser(prog=f"examples/{example}.py", description=description,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backend", default=None, metavar="|".join(BACKENDS),
-                   help="transport, or any registered backend's name (default: shm; mpi "
-                        "when started by mpirun)")
-    p.add_argument("--nproc", type=int, default=2,
-                   help="ranks to spawn (default: %(default)s; ignored when started by "
-                        "mpirun or torchrun)")
-    p.add_argument("--epochs", type=int, default=epochs, help="default: %(default)s")
-    p.add_argument("--batch-size", type=int, default=batch_size,
-                   help="samples per rank per step (default: %(default)s)")
+    p = flag_parser(f"examples/{example}.py", description)
+    add_flag(p, "--backend", help="transport, or any registered backend's name (default: "
+                                  "shm; mpi when started by mpirun)")
+    add_flag(p, "--nproc", default=nproc,
+             help=nproc_help or "ranks to spawn (ignored when started by mpirun or "
+                                "torchrun)")
+    add_flag(p, "--epochs", default=epochs)
+    add_flag(p, "--batch-size", default=batch_size, help=batch_help)
     p.add_argument("--lr", type=float, default=lr,
                    help="SGD learning rate, momentum 0.9 (default: %(default)s)")
     p.add_argument("--data-dir", default=None,
                    help="folder with the MNIST IDX files (default: the bundled subset)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="model initialisation and data order (default: %(default)s)")
-    p.add_argument("--trace", metavar="FILE", default=None,
-                   help="write a Chrome trace (chrome://tracing, ui.perfetto.dev) of every "
-                        "rank's steps and collectives to FILE")
+    add_flag(p, "--seed", default=0, help="model initialisation and data order")
+    add_flag(p, "--trace")
     if extra is not None:
         extra(p)
     args = p.parse_args(argv)
-    for name in ("nproc", "epochs", "batch_size"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.backend is not None:
+    if validate is not None:
         try:
-            check_backend_name(args.backend, where=p.prog, what="argument --backend")
-        except ValueError as exc:   # one line, no usage: the list of backends says it all
-            print(f"{exc}", file=sys.stderr, flush=True)
-            sys.exit(2)
+            validate(args)
+        except ValueError as exc:
+            p.error(str(exc))
     args.example = example
     args.started_at = process_start_time()
     if collectives.detect_rendezvous().launcher == "single":

@@ -1,10 +1,18 @@
 """The launcher of ``examples/elastic.py``: it runs the fault-tolerance coordinator
-(:class:`parallel.ft.Coordinator`, on a thread of this process), starts the ranks
-(forked from the warm fork server, as ``collectives.spawn`` does), watches them, and,
-unlike ``collectives.spawn``, lets the others go on when one dies: it tells the
-coordinator at once (so the next quorum does not wait for the heartbeat to expire) and,
-with ``respawn``, starts a replacement with the same ``RANK``, which heals from a live
-replica and joins. It returns what every rank that finished returned, and counts.
+(:class:`parallel.ft.Coordinator`, on a thread of this process), starts the ranks,
+watches them, and, unlike ``collectives.spawn``, lets the others go on when one dies:
+it tells the coordinator at once (so the next quorum does not wait for the heartbeat to
+expire) and, with ``respawn``, starts a replacement with the same ``RANK``, which heals
+from a live replica and joins. It returns what every rank that finished returned, and
+counts.
+
+Also unlike ``collectives.spawn``, each rank is a fresh interpreter
+(``multiprocessing``'s ``spawn``), executed with its ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ... in its
+environment: a chaos tool outside the job finds rank k by reading
+``/proc/PID/environ``, which for a rank forked from the warm fork server would show the
+server's environment (no ``RANK``). The price is an import of torch per rank (about
+1.5 s on one core), at the start and in every replacement, which the recovery benchmark
+counts. Each rank is also named ``coll-rank<k>`` (``/proc/PID/comm``).
 
 Two ranks::
 
@@ -25,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from collectives import settings, warm_start
-from collectives.spawn import describe_exit, die_with_parent, free_port
+from collectives.spawn import describe_exit, die_with_parent, free_port, name_rank_process
 from collectives.shm_names import remove_job_segments
 from parallel.ft import Coordinator
 
@@ -48,6 +56,7 @@ def _rank_process(setup: Any, main: Callable[[Any], Any], args: Any,
                   conn: multiprocessing.connection.Connection) -> None:
     # `setup` became the start method when this process unpickled it (environment set).
     die_with_parent()
+    name_rank_process(int(os.environ["RANK"]))
     try:
         message: tuple = ("ok", main(args))
     except BaseException:  # noqa: BLE001 - reported by the launcher
@@ -62,7 +71,9 @@ class _Ranks:
 
     def __init__(self, main: Callable, args: Any, base_env: dict) -> None:
         self.main, self.args, self.base_env = main, args, base_env
-        self.method = warm_start.start_method()
+        # Executed, not forked: RANK must be in the environment the kernel shows
+        # (/proc/PID/environ), which a fork of the warm server cannot change.
+        self.method = "spawn"
         self.ctx = warm_start.context(self.method)
         self.running: dict[int, tuple[Any, Any, int]] = {}   # pid -> (process, conn, rank)
 
@@ -72,7 +83,7 @@ class _Ranks:
         setup = warm_start.RankSetup(dict(os.environ, **env), self.method)
         p = self.ctx.Process(target=_rank_process, args=(setup, self.main, self.args, writer),
                              name=f"elastic-rank{rank}", daemon=False)
-        with warm_start.environment(env):
+        with warm_start.environment(env):   # what the new interpreter is executed with
             p.start()
         writer.close()
         self.running[p.pid] = (p, reader, rank)

@@ -22,7 +22,7 @@ __all__ = ["SUMMARY_KEYS", "build_mlp", "launch", "parse_args", "print_summary",
 def traced_step(model: nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor,
                 tracer: Any) -> torch.Tensor:
     """One optimizer step on the cross-entropy of ``model(x)`` against ``y``, its forward,
-    backward and step each a span of ``tracer`` (examples/common/trace.py); the loss."""
+    backward and step each a span of ``tracer`` (a ``collectives.trace.Tracer``); the loss."""
     with tracer.span("forward"):
         loss = nn.functional.cross_entropy(model(x), y)
     opt.zero_grad()

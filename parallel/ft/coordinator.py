@@ -235,7 +235,8 @@ class Coordinator:
         if plan.quorum_id != self._quorum_id:
             self.history.append({"event": "quorum", "quorum_id": plan.quorum_id,
                                  "size": len(plan.members), "step": plan.step,
-                                 "healers": len(plan.healers), "time": time.time()})
+                                 "healers": len(plan.healers), "members": plan.members,
+                                 "time": time.time()})
         self._members, self._quorum_id = plan.members, plan.quorum_id
         self._quorums[plan.quorum_id] = plan.members
         self._round = _Round()
