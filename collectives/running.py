@@ -340,6 +340,11 @@ class FutureWork(Work):
     def wait(self, timeout: Optional[float] = None) -> None:
         try:
             self._future.result(timeout)
+        except CollectiveTimeout:
+            # The operation's own timeout (naming whom it waited for): since Python 3.11
+            # concurrent.futures.TimeoutError is TimeoutError, of which CollectiveTimeout
+            # is a subclass, so the clause below would take it for this wait's own.
+            raise
         except concurrent.futures.TimeoutError:
             raise CollectiveTimeout(
                 f"{self._group._where(self._op)} (seq {self._seq}): still running after "

@@ -207,3 +207,55 @@ def test_the_documentation_example_runs_as_written(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     expected = re.search(r"# (\('hier'.*\))", blocks[0]).group(1)
     assert done.stdout.splitlines() == [expected] * 4, done.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_sleeping_rank_is_a_timeout_naming_it_on_both_hosts():
+    """Rank 1 (host h0) never makes the call: its host's rank 0 and its column peer on
+    h1, rank 3, raise CollectiveTimeout naming op, seq and rank 1 (``missing``) at the
+    group timeout; rank 2 names the rank it waited for, rank 0 (a timeout of its own, or
+    rank 0 leaving the call at its timeout, whichever comes first)."""
+    sleeper, timeout = 1, 2.0
+    with FaultWorld("hier", 4, timeout=timeout, env=TWO_BY_TWO) as world:
+        outcomes = world.call(tasks.sleep_in_collective, "all_reduce", sleeper, 2 * timeout,
+                              limit=60)
+    two = outcomes[2]
+    assert isinstance(two, dict) and (two["type"], two["missing"] or [two["peer"]]) in (
+        ("CollectiveTimeout", [0]), ("PeerError", [0])), f"rank 2: {two}"
+    for r, missing in ((0, [1]), (3, [1])):
+        out = outcomes[r]
+        assert isinstance(out, dict) and out["type"] == "CollectiveTimeout", f"rank {r}: {out}"
+        assert (out["op"], out["seq"], out["missing"]) == ("all_reduce", out["expected_seq"],
+                                                           missing), f"rank {r}: {out}"
+        assert timeout * 0.9 <= out["after_s"] < timeout + 3.0, f"rank {r}: {out}"
+    assert not world.leftovers, f"left behind: {world.leftovers}"
+
+
+def _abort_while_waiting() -> tuple:
+    """Runs in every rank: rank 0 (and 3, across hosts) call all_reduce that the others
+    never join; every rank aborts its group 0.5 s in."""
+    import threading
+    import time
+    pg = collectives.init_process_group()
+    pg.barrier()
+    threading.Timer(0.5, pg.abort).start()
+    start = time.monotonic()
+    if pg.rank in (0, 3):
+        try:
+            pg.all_reduce(np.ones(1 << 18, np.float32))
+        except collectives.CollectiveError as exc:
+            return type(exc).__name__, time.monotonic() - start, str(exc)
+        return None, time.monotonic() - start, ""
+    time.sleep(1.0)
+    return "idle", 0.0, ""
+
+
+@pytest.mark.timeout(120)
+def test_abort_ends_a_two_level_call(monkeypatch):
+    for k, v in TWO_BY_TWO.items():
+        monkeypatch.setenv(k, v)
+    results = collectives.spawn(_abort_while_waiting, 4, timeout=30)
+    for r in (0, 3):
+        kind, after, text = results[r]
+        assert kind == "GroupAborted" and after < 2.0, f"rank {r}: {results[r]}"
+        assert text.startswith(f"[rank {r}/4] all_reduce"), text

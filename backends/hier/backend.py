@@ -119,9 +119,11 @@ class HierBackend(Backend):
             raise self._lift_column(exc) from exc
 
     def column_wait(self, work: Work) -> None:
-        """Wait for a Work of :meth:`column_start`, its failure lifted."""
+        """Wait for a Work of :meth:`column_start`, its failure lifted. The wait allows
+        the column's call its own timeout and a grace on top: that call started later
+        than this wait's clock would count, and its own error names whom it waited for."""
         try:
-            work.wait()
+            work.wait(self.timeout + max(1.0, 0.1 * self.timeout))
         except CollectiveError as exc:
             raise self._lift_column(exc) from exc
 
@@ -155,9 +157,9 @@ class HierBackend(Backend):
             named = f": rank {peer}" if peer >= 0 else ""
             return PeerError(f"{head}{named}: {exc}", peer=peer)
         if isinstance(exc, CollectiveTimeout):
-            missing = [peer_of(m) for m in exc.missing]
-            return CollectiveTimeout(f"{head}: {exc}", op=op, seq=seq,
-                                     missing=[m for m in missing if m >= 0])
+            # (``missing`` is in the part's own numbering on every backend)
+            missing = [ranks[m] for m in exc.missing if 0 <= m < len(ranks)]
+            return CollectiveTimeout(f"{head}: {exc}", op=op, seq=seq, missing=missing)
         if isinstance(exc, GroupAborted):
             return GroupAborted(f"{head}: {exc}", op=op, reason=exc.reason)
         try:
