@@ -155,7 +155,8 @@ KIT_BLOCKS = kit_blocks()
 #: Pages whose python blocks a test of their own runs (with checks of its own), so the
 #: generic test leaves them to it; that test must name the page.
 RUN_ELSEWHERE = {"docs/cp.md": "tests/test_cp_docs.py",
-                 "docs/expert-parallel.md": "tests/test_ep_docs.py"}
+                 "docs/expert-parallel.md": "tests/test_ep_docs.py",
+                 "docs/hierarchical.md": "tests/test_hier.py"}
 #: The python blocks tests/test_readme_blocks.py runs: all but the kit test's, those of
 #: RUN_ELSEWHERE's pages, and the ones marked not-run.
 PYTHON_BLOCKS = [b for b in BLOCKS if b.lang == "python" and not b.not_run
