@@ -4,7 +4,7 @@ limited to a rate (collectives.testing.hosts); then examples/ddp.py's training t
 hier and over flat zmq on the same rig. Needs root.
 
     python benchmarks/hosts_allreduce.py                        # 2 hosts x 2 ranks, 1 Gbit/s
-    python benchmarks/hosts_allreduce.py --sizes 1,4,16,64 --repeat 3 --json hosts.json
+    python benchmarks/hosts_allreduce.py --sizes 1M,4M,16M,64M --repeat 3 --json hosts.json
     python benchmarks/hosts_allreduce.py --rate 10gbit --ddp-epochs 0   # all_reduce only
 
 Every rank of a case is started fresh (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
@@ -32,6 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from collectives.cli_flags import (add_flag, flag_parser, nonnegative_int,  # noqa: E402
+                                   positive_int)
 from collectives.testing.hosts import HostRig, parse_rate, rig_unavailable  # noqa: E402
 from collectives.testing.hosts_launch import run_ranks, summary  # noqa: E402
 
@@ -86,16 +88,18 @@ def _busbw(nbytes: int, seconds: float, n: int) -> float:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--hosts", type=int, default=2)
-    p.add_argument("--per-host", type=int, default=2, help="ranks per host")
+    p = flag_parser("hosts_allreduce.py", __doc__.split("\n\n")[0])
+    p.add_argument("--hosts", type=positive_int, default=2, help="emulated hosts")
+    p.add_argument("--per-host", type=positive_int, default=2, help="ranks per host")
     p.add_argument("--rate", default="1gbit", help="each host's link (tc syntax or bit/s)")
-    p.add_argument("--sizes", default="1,4,16,64", help="MiB, comma separated")
-    p.add_argument("--impls", default=",".join(IMPLS))
-    p.add_argument("--repeat", type=int, default=3, help="rounds (median reported)")
-    p.add_argument("--ddp-epochs", type=int, default=5,
+    add_flag(p, "--sizes", default="1M,4M,16M,64M")
+    add_flag(p, "--backend", default=",".join(IMPLS), several=True,
+             help="what to compare: backends of ours, and gloo driven through "
+                  "torch.distributed directly")
+    add_flag(p, "--repeat", default=3, help="rounds (the median round is reported)")
+    p.add_argument("--ddp-epochs", type=nonnegative_int, default=5,
                    help="examples/ddp.py epochs per run over hier and zmq (0: skip)")
-    p.add_argument("--json", metavar="FILE", help="write every measurement here")
+    add_flag(p, "--json")
     p.add_argument("--rank-job", nargs=2, metavar=("IMPL", "SIZES"), help=argparse.SUPPRESS)
     return p
 
@@ -108,8 +112,7 @@ def main(args: argparse.Namespace) -> int:
     if reason is not None:
         print(f"hosts_allreduce: {reason}", file=sys.stderr)
         return 2
-    sizes = [int(float(s) * MIB) for s in args.sizes.split(",")]
-    impls = [i.strip() for i in args.impls.split(",")]
+    sizes, impls = args.sizes, args.backend
     n = args.hosts * args.per_host
     secret = {"COLLECTIVES_SECRET": os.urandom(32).hex()}
     runs: dict = {i: [] for i in impls}
@@ -157,8 +160,8 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"hosts": args.hosts, "per_host": args.per_host, "rate": args.rate,
-                       "started": started, "load_average": load, "allreduce_seconds": runs, "ddp": ddp}, f,
-                      indent=1)
+                       "started": started, "load_average": load,
+                       "allreduce_seconds": runs, "ddp": ddp}, f, indent=1)
     return 0
 
 

@@ -209,7 +209,7 @@ def _block_params() -> list:
 
 
 #: The most ``not-run`` blocks the pages may hold: exceptions stay few.
-MAX_NOT_RUN = 4
+MAX_NOT_RUN = 8    # a GPU (nccl) and a real cluster (sbatch, several nodes) only
 
 
 def run_block(block: Block, timeout: float = BLOCK_TIMEOUT):
