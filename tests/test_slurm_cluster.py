@@ -10,8 +10,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -22,20 +25,37 @@ pytestmark = pytest.mark.slow
 SETUP = ROOT / "tests" / "scripts" / "slurm_single_node.sh"
 
 
+#: The daemons the set-up script starts, by their pid files.
+DAEMON_PIDS = ("/run/slurmd.pid", "/run/slurmctld.pid", "/run/munge/munged.pid")
+
+
+def _controller_answers() -> bool:
+    return subprocess.run(["scontrol", "ping"], capture_output=True,
+                          timeout=30).returncode == 0
+
+
 @pytest.fixture(scope="module")
-def cluster() -> None:
-    """A Slurm controller that takes jobs, or a skip that says why there is none."""
+def cluster() -> Iterator[None]:
+    """A Slurm controller that takes jobs, or a skip that says why there is none. A
+    cluster these tests started is stopped after them; one that was running stays."""
     if shutil.which("srun") is None:
         pytest.skip(f"srun is not installed (as root, {SETUP.relative_to(ROOT)} installs "
                     f"Debian's slurm-wlm and starts a one-node cluster)")
+    was_running = _controller_answers()
     if os.geteuid() == 0:
         proc = subprocess.run(["bash", str(SETUP)], capture_output=True, text=True,
                               timeout=300)
         assert proc.returncode == 0, f"{SETUP.name} failed:\n{proc.stdout}{proc.stderr}"
-    elif subprocess.run(["scontrol", "ping"], capture_output=True,
-                        timeout=30).returncode != 0:
+    elif not was_running:
         pytest.skip(f"no Slurm controller answers, and only root may run "
                     f"{SETUP.relative_to(ROOT)}")
+    yield
+    if not was_running:
+        for pid_file in DAEMON_PIDS:
+            try:
+                os.kill(int(Path(pid_file).read_text().split()[0]), signal.SIGTERM)
+            except (OSError, ValueError, IndexError):
+                pass                              # not started, or gone already
 
 
 def summary(command: list[str]) -> dict:
