@@ -152,8 +152,8 @@ def main() -> None:
             print(json.dumps(row), file=sys.stderr, flush=True)
     print(table(rows, opts))
     if opts.json:
-        with open(opts.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        from collectives.bench.report import write_json
+        write_json(rows, opts.json)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from collectives.bench.cases import busbw_factor  # noqa: E402
 from collectives.cli_flags import (add_flag, flag_parser, nonnegative_int,  # noqa: E402
                                    positive_int)
 from collectives.testing.hosts import HostRig, parse_rate, rig_unavailable  # noqa: E402
@@ -84,7 +85,7 @@ def rank_main(impl: str, sizes: list[int]) -> None:
 
 
 def _busbw(nbytes: int, seconds: float, n: int) -> float:
-    return nbytes * 2 * (n - 1) / n / seconds / 1e9
+    return nbytes / seconds / 1e9 * busbw_factor("all_reduce", n)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -139,8 +139,14 @@ class Recorder:
         with open(tmp, "w") as f:
             json.dump(document, f, indent=1)
         os.replace(tmp, path)
-        prune(root, keep=self.keep, spare=folder)
+        if folder not in _PRUNED:   # once per job folder: a later dump adds no job
+            _PRUNED.add(folder)
+            prune(root, keep=self.keep, spare=folder)
         return path
+
+
+#: The job folders this process has pruned beside already (:meth:`Recorder.dump`).
+_PRUNED: set = set()
 
 
 def job_folders(root: str) -> list[str]:

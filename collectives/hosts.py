@@ -9,12 +9,13 @@ make virtual hosts on one machine (see :mod:`backends.hier.topology`).
 from __future__ import annotations
 
 import os
+import socket
 from typing import Mapping, Optional
 
 from . import settings
 from .launch import Rendezvous
 
-__all__ = ["file_text", "listed_hosts", "namespace", "spans_hosts"]
+__all__ = ["file_text", "listed_hosts", "machine_identity", "namespace", "spans_hosts"]
 
 
 def file_text(path: str) -> str:
@@ -33,6 +34,14 @@ def namespace(kind: str) -> str:
         return str(os.stat(f"/proc/self/ns/{kind}").st_ino)
     except OSError:
         return ""
+
+
+def machine_identity() -> list[str]:
+    """What makes a host as the network sees it: hostname, boot id, network namespace
+    (a container or a namespace is another host) and user. The zmq and hier backends
+    hash these (hier adds ``/dev/shm``'s device) into their host keys."""
+    return [socket.gethostname(), file_text("/proc/sys/kernel/random/boot_id"),
+            namespace("net"), str(os.getuid())]
 
 
 def listed_hosts(world_size: int, env: Optional[Mapping[str, str]] = None

@@ -15,7 +15,7 @@ import importlib.metadata
 import importlib.util
 import os
 import sys
-from typing import Callable, Union
+from typing import Any, Callable, Union
 
 Factory = Callable[..., "object"]
 
@@ -124,6 +124,20 @@ def get_backend(name: str, *, where: str = "get_backend",
     if name in _registered:
         return _resolve(_registered[name], name)
     return _resolve(_BUILTIN[name][0], name)
+
+
+def create_backend(name: str, rendezvous: Any, timeout: float, *, where: str,
+                   what: str = "argument `backend`") -> Any:
+    """Connect through backend ``name``'s factory (:func:`get_backend`): the
+    :class:`~collectives.Backend` it made, or ``TypeError`` naming ``where`` when the
+    factory returned something else."""
+    from .backend import Backend     # (the registry itself imports no backend machinery)
+    made = get_backend(name, where=where, what=what)(rendezvous, timeout)
+    if not isinstance(made, Backend):
+        raise TypeError(f"{where}: the factory of backend {name!r} returned "
+                        f"{type(made).__name__}, not a collectives.Backend (a backend "
+                        f"subclasses collectives.Backend; see collectives/backend.py)")
+    return made
 
 
 def available_backends() -> list[str]:

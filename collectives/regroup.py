@@ -37,7 +37,7 @@ from typing import Any, Iterable, Optional
 
 from .backend import Backend
 from .launch import Rendezvous
-from .registry import get_backend
+from .registry import create_backend
 
 
 __all__ = ["connect", "generation_port", "generation_rendezvous", "grow", "reform",
@@ -124,11 +124,7 @@ def connect(backend: str, rendezvous: Rendezvous, timeout: float, where: str) ->
     """Connect this process to generation ``rendezvous.generation`` through ``backend``'s
     registered factory (which must declare ``Capabilities.regroups``; otherwise it would
     meet an older group's processes)."""
-    factory = get_backend(backend, where=where, what="argument `backend`")
-    made = factory(rendezvous, timeout)
-    if not isinstance(made, Backend):
-        raise TypeError(f"{where}: the factory of backend {backend!r} returned "
-                        f"{type(made).__name__}, not a collectives.Backend")
+    made = create_backend(backend, rendezvous, timeout, where=where)
     refusal = made.regroup_refusal()
     if refusal is not None:
         made.abort()

@@ -44,11 +44,14 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from typing import Any, Iterator, Optional
 
-from . import flight, settings
+import numpy as np
+
+from . import buffers, flight, settings
 from .trace_merge import FORMAT, write_merged
 
 __all__ = ["Tracer", "active", "span", "tracing", "to_file", "rank_file"]
@@ -190,6 +193,8 @@ class TracedRecorder(flight.Recorder):
         super().__init__(previous.capacity if previous is not None else 1)
         for rec in kept:
             self._ring.append(rec)
+        if previous is not None:     # a failure already dumped stays named
+            self.last_error = previous.last_error
         self.tracer, self.label, self.group_name = tracer, label, group._flight_name
         self.append = self._append   # (the base class binds the ring's append)
         # The fast path records a call when it returns; the general path when it starts,
@@ -295,12 +300,11 @@ def _nbytes(shape: Any, dtype: Any) -> int:
         count = 1
         for n in shape:
             count *= int(n)
-        itemsize = getattr(dtype, "itemsize", None)
-        if itemsize is None:   # a torch dtype
-            import numpy as np
-            itemsize = np.dtype(str(dtype).replace("torch.", "")).itemsize
-        return count * int(itemsize)
-    except (TypeError, ValueError):
+        if isinstance(dtype, np.dtype):
+            return count * dtype.itemsize
+        travels_as = buffers.torch_numpy_dtype(sys.modules["torch"], dtype)  # bfloat16 too
+        return 0 if travels_as is None else count * travels_as.itemsize
+    except (TypeError, ValueError, KeyError):
         return 0
 
 

@@ -14,12 +14,11 @@ import time
 from typing import Optional, Union
 
 from . import logs, settings, trace
-from .backend import Backend
 from .group import ProcessGroup
 from .hosts import spans_hosts
 from .launch import Rendezvous, default_backend, detect_rendezvous
 from .regroup import connect, generation_rendezvous, regrouped
-from .registry import get_backend
+from .registry import check_backend_name, create_backend
 from .validation import timeout_seconds
 
 __all__ = ["DEFAULT_TIMEOUT", "init_process_group", "join_group"]
@@ -57,21 +56,18 @@ def init_process_group(backend: Optional[str] = None, *, rank: Optional[int] = N
     else:
         name, what = backend, "argument `backend`"
     name = across_hosts(name, rendezvous)
-    factory = get_backend(name, where="init_process_group", what=what)
+    check_backend_name(name, where="init_process_group", what=what)
     _log.debug("rank %d of %d (launcher %s, job %s) meeting on %s, timeout %g s",
                rendezvous.rank, rendezvous.world_size, rendezvous.launcher,
                rendezvous.job_id, name, seconds)
     start = time.monotonic()
     try:
-        made = factory(rendezvous, seconds)
+        made = create_backend(name, rendezvous, seconds, where="init_process_group",
+                              what=what)
     except Exception as exc:
         _log.warning("init_process_group on %s failed after %.1f s: %s", name,
                      time.monotonic() - start, exc)
         raise
-    if not isinstance(made, Backend):
-        raise TypeError(f"init_process_group: the factory of backend {name!r} returned "
-                        f"{type(made).__name__}, not a collectives.Backend (a backend "
-                        f"subclasses collectives.Backend; see collectives/backend.py)")
     _log.info("world of %d ranks ready on %s in %.3f s", rendezvous.world_size, name,
               time.monotonic() - start)
     group = ProcessGroup(made)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from examples.common.harness import SUMMARY_KEYS
+from examples.common.cli import SUMMARY_KEYS
 from job_env import job_env
 
 ROOT = Path(__file__).resolve().parent.parent

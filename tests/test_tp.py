@@ -678,7 +678,7 @@ def _example(command: list, timeout: float) -> tuple:
 
 
 def _dense_losses(epochs: int) -> list:
-    from examples.common.harness import parse_args
+    from examples.common.cli import parse_args
     from examples.tp import dense_mlp, train
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank of the example: more only contend on 2 cores

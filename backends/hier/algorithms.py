@@ -194,13 +194,6 @@ def reduce(b: TwoLevel, a: np.ndarray, root: int, op: ReduceOp, seq: int) -> Non
         finish(op, a, t.size)
 
 
-def _column_major(b: TwoLevel) -> np.ndarray:
-    """The ranks in the order the two-level all_gather delivers them: local index 0 of
-    every host (in its column's order), then local index 1, ... (even hosts)."""
-    t = b.topo
-    return np.array([r for i in range(len(t.local_ranks)) for r in t.column(i)])
-
-
 def all_gather(b: TwoLevel, out: np.ndarray, inp: np.ndarray) -> None:
     """Even hosts: each rank gathers its column's inputs across hosts, the host gathers
     those, and one copy puts the blocks in rank order."""
@@ -210,7 +203,7 @@ def all_gather(b: TwoLevel, out: np.ndarray, inp: np.ndarray) -> None:
     b.on_column("all_gather", col, inp)
     staged = b.scratch("gathered", t.size * m, inp.dtype)
     b.on_host("all_gather", staged, col)
-    out.reshape(t.size, m)[_column_major(b)] = staged.reshape(t.size, m)
+    out.reshape(t.size, m)[t.column_major] = staged.reshape(t.size, m)
 
 
 def reduce_scatter(b: TwoLevel, out: np.ndarray, inp: np.ndarray,
@@ -222,7 +215,7 @@ def reduce_scatter(b: TwoLevel, out: np.ndarray, inp: np.ndarray,
     inner = _inner(op)
     m = out.size
     staged = b.scratch("staged", t.size * m, inp.dtype)
-    staged.reshape(t.size, m)[...] = inp.reshape(t.size, m)[_column_major(b)]
+    staged.reshape(t.size, m)[...] = inp.reshape(t.size, m)[t.column_major]
     col = b.scratch("column", len(t.hosts) * m, inp.dtype)
     b.on_host("reduce_scatter", col, staged, inner)
     b.on_column("reduce_scatter", out, col, inner)

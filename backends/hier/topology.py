@@ -42,8 +42,10 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Mapping, Optional, Sequence
 
+import numpy as np
+
 from collectives import settings
-from collectives.hosts import file_text, namespace
+from collectives.hosts import machine_identity
 
 __all__ = ["Topology", "host_key"]
 
@@ -66,8 +68,7 @@ def host_key(env: Optional[Mapping[str, str]] = None) -> str:
     named = settings.HOST.get(env)
     if named is not None and "," not in named:
         return named.strip()
-    parts = [socket.gethostname(), file_text("/proc/sys/kernel/random/boot_id"),
-             _device("/dev/shm"), namespace("net"), str(os.getuid())]
+    parts = [*machine_identity(), _device("/dev/shm")]
     return socket.gethostname() + "#" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
@@ -94,7 +95,7 @@ class Topology:
         keys = [self.names[self.host_of(r)] for r in ranks]
         return Topology.from_keys(keys, list(ranks).index(self.rank))
 
-    @property
+    @cached_property
     def size(self) -> int:
         return sum(len(h) for h in self.hosts)
 
@@ -110,27 +111,39 @@ class Topology:
         """``rank``'s index among the ranks of its host."""
         return self._where[rank][1]
 
-    @property
+    @cached_property
     def host_index(self) -> int:
         return self.host_of(self.rank)
 
-    @property
+    @cached_property
     def local_index(self) -> int:
         return self.local_of(self.rank)
 
-    @property
+    @cached_property
     def local_ranks(self) -> tuple[int, ...]:
         """The ranks of this rank's host."""
         return self.hosts[self.host_index]
 
-    @property
+    @cached_property
     def even(self) -> bool:
         """Whether every host has the same number of ranks."""
         return len({len(h) for h in self.hosts}) == 1
 
     def column(self, i: int) -> tuple[int, ...]:
         """The ranks with local index ``i``, one per host that has one, in rank order."""
-        return tuple(sorted(h[i] for h in self.hosts if len(h) > i))
+        return self._columns[i]
+
+    @cached_property
+    def _columns(self) -> tuple[tuple[int, ...], ...]:
+        widest = max(len(h) for h in self.hosts)
+        return tuple(tuple(sorted(h[i] for h in self.hosts if len(h) > i))
+                     for i in range(widest))
+
+    @cached_property
+    def column_major(self) -> np.ndarray:
+        """The ranks in the order the two-level all_gather delivers them: local index 0
+        of every host (in its column's order), then local index 1, ... (even hosts)."""
+        return np.array([r for i in range(len(self.local_ranks)) for r in self.column(i)])
 
     def describe(self) -> str:
         """``2 hosts: h0 [0, 1], h1 [2, 3]``."""

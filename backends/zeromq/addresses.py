@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from collectives import settings
-from collectives.hosts import file_text, namespace
+from collectives.hosts import machine_identity
 
 _UNIX_PATH_MAX = 100
 
@@ -89,9 +89,7 @@ def host_key() -> str:
     boot id), same network namespace (a container or a namespace is another host), same
     user. ipc:// is used between them when, in addition, the peer's socket file is the
     one this process sees at its path (:func:`ipc_identity`: same filesystem)."""
-    parts = [socket.gethostname(), file_text("/proc/sys/kernel/random/boot_id"), namespace("net"),
-             str(os.getuid())]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
+    return hashlib.sha256("|".join(machine_identity()).encode()).hexdigest()[:32]
 
 
 def ipc_identity(endpoint: str) -> str:

@@ -53,6 +53,8 @@ import tempfile
 import time
 from typing import Mapping, Optional, Sequence, Union
 
+from collectives.lifetime import process_alive
+
 __all__ = ["HostRig", "RigError", "parse_rate", "rig_unavailable"]
 
 log = logging.getLogger("collectives.testing.hosts")
@@ -300,7 +302,7 @@ class HostRig:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _kill_session(proc)
+            kill_session(proc)
             proc.communicate()
             raise
         done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
@@ -367,7 +369,7 @@ class HostRig:
             while pids and time.monotonic() < deadline:
                 for proc in self._started:
                     proc.poll()  # reap our own children
-                pids = [p for p in pids if _alive(p)]
+                pids = [p for p in pids if process_alive(p)]
                 time.sleep(0.05)
         for proc in self._started:
             try:
@@ -388,14 +390,6 @@ class HostRig:
         self.close()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return False
-
-
 def _pids_in_net_namespaces(inodes: set) -> list[int]:
     found = []
     for entry in os.listdir("/proc"):
@@ -408,7 +402,8 @@ def _pids_in_net_namespaces(inodes: set) -> list[int]:
     return found
 
 
-def _kill_session(proc: subprocess.Popen) -> None:
+def kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL the session (process group) ``proc`` leads, or ``proc`` alone."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
-from .hosts import HostRig
+from .hosts import HostRig, kill_session
 
 __all__ = ["HostOutput", "JobFailed", "RDZV_PORT", "run_mpiexec", "run_ranks",
            "run_torchrun", "summary"]
@@ -77,10 +76,7 @@ def _wait(started: Sequence[tuple], timeout: float, what: str) -> list[HostOutpu
     if timed_out:
         for _, proc, _ in started:
             if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                kill_session(proc)
         for _, proc, _ in started:
             proc.wait()
     by_host: dict[str, list] = {}

@@ -1,7 +1,7 @@
 """What the examples (ddp, fsdp, tp, pp, mesh, cp, moe) share beyond the command line: the
-model, the traced training step, the progress bar and the test accuracy. The command line, the launch and the
-closing JSON line are in ``examples.common.cli`` (no torch there: the examples parse
-their arguments before importing torch); they are re-exported here.
+model, the traced training step, the progress bar and the test accuracy. The command
+line, the launch and the closing JSON line are in ``examples.common.cli`` (no torch
+there: the examples parse their arguments before importing torch).
 """
 
 from __future__ import annotations
@@ -13,10 +13,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from examples.common.cli import SUMMARY_KEYS, launch, parse_args, print_summary
-
-__all__ = ["SUMMARY_KEYS", "build_mlp", "launch", "parse_args", "print_summary", "progress",
-           "sharded_accuracy", "traced_step"]
+__all__ = ["build_mlp", "progress", "sharded_accuracy", "traced_step"]
 
 
 def traced_step(model: nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor,

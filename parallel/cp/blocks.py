@@ -161,8 +161,9 @@ class BlockAttention:
                  for p in plan(self.rank, src, self.size, self.length, self.layout,
                                self.causal)
                  for lo in range(p.q_start, p.q_stop, TILE_ROWS)]
-        return [(t, _mask(t, self.rank, src, self.size, self.length, self.layout))
-                for t in tiles]
+        masks = [_mask(t, self.rank, src, self.size, self.length, self.layout) for t in tiles]
+        # (positions are made on the CPU; scores live on q's device, a GPU's too)
+        return [(t, None if m is None else m.to(self.q.device)) for t, m in zip(tiles, masks)]
 
     def forward(self, kv: torch.Tensor, src: int, out: torch.Tensor,
                 lse: torch.Tensor) -> None:

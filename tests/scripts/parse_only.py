@@ -82,8 +82,7 @@ def install() -> None:
     argparse.ArgumentParser.parse_args = parse_args
     argparse.ArgumentParser.parse_known_args = parse_known_args
     import examples.common.cli as cli
-    import examples.common.harness as harness
-    cli.launch = harness.launch = launch
+    cli.launch = launch
     signal.signal(signal.SIGALRM, alarm)
 
 
