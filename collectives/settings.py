@@ -260,9 +260,9 @@ HIER_NET = _s("HIER_NET", "choice", "zmq", "hier",
 HIER_SPLIT_BYTES = _s("HIER_SPLIT_BYTES", "int", 64 << 10, "hier",
                       "all_reduce splits a message among a host's ranks from this size "
                       "(below: one rank per host talks to the other hosts)", minimum=0)
-HIER_PIECE_BYTES = _s("HIER_PIECE_BYTES", "int", 512 << 10, "hier",
+HIER_PIECE_BYTES = _s("HIER_PIECE_BYTES", "int", 256 << 10, "hier",
                       "a split all_reduce is pipelined in pieces of at least this size (at "
-                      "most 16): the host's steps of one overlap the network's of another",
+                      "most 256): the host's steps of one overlap the network's of another",
                       minimum=1)
 # mpi
 MPI_TUNE = _s("MPI_TUNE", "flag", True, "mpi",

@@ -3,13 +3,16 @@ conformance suite, which runs it on virtual hosts (``COLLECTIVES_HOST``) at 1 to
 the layout of ranks over hosts, the host identity, the automatic choice over shm, the
 two-level paths on sizes the sweep draws rarely (pipelined pieces, padding, AVG), results
 bitwise identical on every rank, direct routes for point to point, sub-groups across
-hosts, and a rank killed on the other host.
+hosts, three hosts, gloo and mpi between hosts, and a rank killed on the other host.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +29,9 @@ from backends.hier.topology import Topology, host_key
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from faults import tasks  # noqa: E402
 from faults.world import Died, FaultWorld  # noqa: E402
+from job_env import job_env  # noqa: E402
+
+MPIEXEC = shutil.which(os.environ.get("MPIEXEC") or "mpiexec")
 
 TWO_BY_TWO = {"COLLECTIVES_HOST": "h0,h0,h1,h1"}
 
@@ -165,6 +171,61 @@ def test_two_hosts_of_two_ranks(monkeypatch):
     assert "pipelined" in results[0]["describe"]
 
 
+def _split_sums(backend: str = "shm") -> list:
+    """Runs in every rank: all_reduce across the split and piece lines; per size, whether
+    the sum is right and the same bits are on every rank."""
+    pg = collectives.init_process_group(backend)
+    assert pg.backend == "hier", pg.backend
+    rng = np.random.default_rng(pg.rank)
+    results = []
+    for count in (16385, 262147, (3 << 20) // 4 + 5):
+        a = rng.standard_normal(count).astype(np.float32)
+        inputs = pg.all_gather_object(a.copy())
+        pg.all_reduce(a)
+        want = np.stack(inputs).astype(np.float64).sum(0)
+        results.append((count, bool(np.allclose(a, want, rtol=1e-4, atol=1e-4)),
+                        _identical_everywhere(pg, a)))
+    pg.close()
+    return results
+
+
+def _check_sums(results: list) -> None:
+    for r, rows in enumerate(results):
+        bad = [x for x in rows if not (x[1] and x[2])]
+        assert not bad, f"rank {r}: (count, right, identical on every rank): {bad}"
+
+
+@pytest.mark.timeout(300)
+def test_three_hosts_run_a_column_all_reduce_per_piece(monkeypatch):
+    # (two hosts stream the shards between a column's pair; more hosts than two take the
+    # column all_reduce per piece)
+    monkeypatch.setenv("COLLECTIVES_HOST", "a,a,b,b,c,c")
+    results = collectives.spawn(_split_sums, 6, backend="shm", timeout=120)
+    _check_sums(results)
+
+
+@pytest.mark.timeout(300)
+def test_gloo_between_hosts(monkeypatch):
+    # COLLECTIVES_HIER_NET: the stream between hosts runs on the column's point to point
+    # whatever the network transport
+    monkeypatch.setenv("COLLECTIVES_HOST", "h0,h0,h1,h1")
+    monkeypatch.setenv("COLLECTIVES_HIER_NET", "gloo")
+    results = collectives.spawn(_split_sums, 4, backend="shm", timeout=120)
+    _check_sums(results)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec here")
+def test_mpi_between_hosts(tmp_path):
+    pytest.importorskip("mpi4py")
+    env = {**job_env(), "COLLECTIVES_HOST": "h0,h0,h1,h1", "COLLECTIVES_HIER_NET": "mpi"}
+    done = subprocess.run([MPIEXEC, "-n", "4", sys.executable, __file__, str(tmp_path)],
+                          env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _check_sums([json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)])
+
+
 # ------------------------------------------------------------------ a killed rank
 @pytest.mark.timeout(120)
 def test_a_rank_killed_on_the_other_host_is_named_and_nobody_hangs():
@@ -259,3 +320,8 @@ def test_abort_ends_a_two_level_call(monkeypatch):
         kind, after, text = results[r]
         assert kind == "GroupAborted" and after < 2.0, f"rank {r}: {results[r]}"
         assert text.startswith(f"[rank {r}/4] all_reduce"), text
+
+
+if __name__ == "__main__":   # python tests/test_hier.py DIR, as a rank of mpiexec
+    RANK = os.environ.get("PMI_RANK") or os.environ["OMPI_COMM_WORLD_RANK"]
+    Path(sys.argv[1], f"rank{RANK}.json").write_text(json.dumps(_split_sums("hier")))

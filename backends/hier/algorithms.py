@@ -27,6 +27,12 @@ all_reduce of ``n`` elements, ``H`` hosts of ``L`` ranks (even hosts, from
     its L ranks' connections; a flat ring of H x L ranks sends (H L - 1)/(H L) x 2n per
     host-crossing edge.
 
+    Pipelined in pieces (``COLLECTIVES_HIER_PIECE_BYTES``): step 2 of one piece runs while
+    the host does steps 1 and 3 of its neighbours. Between two hosts, step 2 is a stream:
+    each rank sends its shard of every piece to its column's other rank as soon as the
+    host has reduced it, so the link carries one piece after another with no handshake
+    between them; with more hosts, each piece is a column all_reduce.
+
 Below the split size, and on uneven hosts (3 ranks on one, 1 on another), one rank per
 host (its lowest: the *leader*) carries the host: reduce to it in the host, all_reduce
 among the leaders, broadcast in the host.
@@ -34,12 +40,12 @@ among the leaders, broadcast in the host.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 
 from collectives.algorithms import Links
-from collectives.reduce_op import ReduceOp, finish
+from collectives.reduce_op import ReduceOp, combine_into, finish
 from collectives.work import Work
 
 from .topology import Topology
@@ -52,6 +58,7 @@ class TwoLevel(Protocol):
     """What these algorithms use of :class:`~backends.hier.backend.HierBackend`."""
 
     topo: Topology
+    column_index: int
     split_bytes: int
     piece_bytes: int
 
@@ -62,6 +69,9 @@ class TwoLevel(Protocol):
     def column_start(self, name: str, *args: Any) -> Work: ...
 
     def column_wait(self, work: Work) -> None: ...
+
+    def column_exchange(self, send: np.ndarray, recv: np.ndarray,
+                        tag: int) -> tuple[Work, Work]: ...
 
     def scratch(self, role: str, count: int, dtype: np.dtype) -> np.ndarray: ...
 
@@ -101,7 +111,7 @@ def _leader_all_reduce(b: TwoLevel, a: np.ndarray, op: ReduceOp) -> None:
 
 
 #: A split all_reduce runs in at most this many pieces.
-MAX_PIECES = 16
+MAX_PIECES = 256
 
 
 def pieces(b: TwoLevel, nbytes: int) -> int:
@@ -111,9 +121,10 @@ def pieces(b: TwoLevel, nbytes: int) -> int:
 
 
 def _split_all_reduce(b: TwoLevel, a: np.ndarray, op: ReduceOp) -> None:
-    """Pipelined: piece p's step between hosts runs on the column group's thread while
-    this thread reduce-scatters piece p+1 and all-gathers piece p-1 in the host, so the
-    network is never idle for the host's steps (the same order of calls on every rank)."""
+    """Pipelined: piece p's step between hosts runs while this thread reduce-scatters
+    piece p+1 and all-gathers piece p-1 in the host, so the network is never idle for
+    the host's steps (the same order of calls on every rank). Two hosts stream the
+    shards (:func:`_exchange_pieces`); more run a column all_reduce per piece."""
     L = len(b.topo.local_ranks)
     n = a.size
     count = pieces(b, a.nbytes)
@@ -125,18 +136,59 @@ def _split_all_reduce(b: TwoLevel, a: np.ndarray, op: ReduceOp) -> None:
         whole[:n] = a
         whole[n:] = 0
     shards = b.scratch("shard", s * count, a.dtype)
+    between = _exchange_pieces if len(b.topo.hosts) == 2 else _column_pieces
+    for q, done in between(b, shards, s, count, op,
+                           lambda p: b.on_host("reduce_scatter", shards[p * s:(p + 1) * s],
+                                               whole[p * span:(p + 1) * span], op)):
+        b.on_host("all_gather", whole[q * span:(q + 1) * span], done)
+    if whole is not a:
+        a[...] = whole[:n]
+
+
+def _column_pieces(b: TwoLevel, shards: np.ndarray, s: int, count: int, op: ReduceOp,
+                   reduce_in_host: Callable[[int], None]
+                   ) -> Iterator[tuple[int, np.ndarray]]:
+    """Any number of hosts: each piece's shard is all_reduced by the column (on the
+    column group's thread) while the host reduce-scatters the next; yields ``(q, the
+    summed shard of piece q)`` in order."""
     works = []
     for p in range(count + 1):
         if p < count:
-            b.on_host("reduce_scatter", shards[p * s:(p + 1) * s],
-                      whole[p * span:(p + 1) * span], op)
+            reduce_in_host(p)
             works.append(b.column_start("all_reduce", shards[p * s:(p + 1) * s], op))
         if p > 0:
+            b.column_wait(works[p - 1])
+            yield p - 1, shards[(p - 1) * s:p * s]
+
+
+def _exchange_pieces(b: TwoLevel, shards: np.ndarray, s: int, count: int, op: ReduceOp,
+                     reduce_in_host: Callable[[int], None]
+                     ) -> Iterator[tuple[int, np.ndarray]]:
+    """Two hosts: each rank sends its shard of every piece to its column's other rank as
+    soon as the host has reduced it, so the sends queue back to back and the link never
+    waits for a piece's fold or for a handshake between pieces (a column all_reduce per
+    piece would); the fold is ``host 0's op host 1's`` on both, so both hold the same
+    bits. Yields ``(q, the summed shard of piece q)`` in order."""
+    first = b.column_index == 0
+    theirs = b.scratch("theirs", s * count, shards.dtype)
+    posted = []
+    for p in range(count + 1):
+        if p < count:
+            reduce_in_host(p)
+            piece = slice(p * s, (p + 1) * s)
+            posted.append(b.column_exchange(shards[piece], theirs[piece], tag=p))
+        if p > 0:
             q = p - 1
-            b.column_wait(works[q])
-            b.on_host("all_gather", whole[q * span:(q + 1) * span], shards[q * s:(q + 1) * s])
-    if whole is not a:
-        a[...] = whole[:n]
+            piece = slice(q * s, p * s)
+            received, sent = posted[q]
+            b.column_wait(received)
+            b.column_wait(sent)            # (the shard is sent from in place)
+            if first:
+                combine_into(op, shards[piece], theirs[piece])
+                yield q, shards[piece]
+            else:
+                combine_into(op, theirs[piece], shards[piece])
+                yield q, theirs[piece]
 
 
 def barrier(b: TwoLevel) -> None:

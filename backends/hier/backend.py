@@ -73,9 +73,12 @@ class HierBackend(Backend):
         #: This rank's column (even hosts: the ranks with its local index; uneven: the
         #: leaders, for the leaders only), or None.
         self.column: Optional[ProcessGroup] = None
+        #: This rank's index in its column (its host's, among the hosts in the column).
+        self.column_index = -1
         if net is not None and (topo.even or topo.local_index == 0):
             self.column_ranks = topo.column(topo.local_index if topo.even else 0)
             self.column = net.new_group(self.column_ranks)
+            self.column_index = self.column_ranks.index(topo.rank)
         self._parts = [p for p in (local, net) if p is not None]
         self.timeout = timeout   # (now down to the parts)
         here = topo.host_index
@@ -115,6 +118,23 @@ class HierBackend(Backend):
         :meth:`column_wait`."""
         try:
             return getattr(self.column, name)(*args, async_op=True)
+        except CollectiveError as exc:
+            raise self._lift_column(exc) from exc
+
+    def column_exchange(self, send: np.ndarray, recv: np.ndarray,
+                        tag: int) -> tuple[Work, Work]:
+        """Two hosts: start receiving ``recv`` from this column's other rank and sending
+        it ``send``, both with ``tag`` (the column's point to point: an abort of the
+        column fails them, as it fails its collectives); wait with :meth:`column_wait`.
+        Returns (the receive, the send).
+
+        The column group is this backend's own, so its whole tag space is; a pair's
+        messages with one tag arrive in order, call after call, so a small tag (the
+        piece) tells them apart and fits every MPI's ``TAG_UB`` (at least 32767)."""
+        transport = self.column.transport
+        peer = 1 - self.column_index
+        try:
+            return transport.irecv(recv, peer, tag), transport.isend(send, peer, tag)
         except CollectiveError as exc:
             raise self._lift_column(exc) from exc
 
