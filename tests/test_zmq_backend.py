@@ -389,6 +389,38 @@ def test_mismatches_are_detected_and_name_both_sides():
     assert "float64[4]" in p2p and "int32[5]" in p2p and "tag 3" in p2p, p2p
 
 
+def _job_member_aborts_subgroup():
+    """Rank 0 aborts a sub-group while the others wait in its all_reduce."""
+    pg = collectives.init_process_group()
+    sub = pg.new_group([0, 1, 2])
+    pg.barrier()
+    if pg.rank == 0:
+        time.sleep(0.5)
+        sub.abort("a failure of rank 0's own")
+        out = None
+    else:
+        t0 = time.monotonic()
+        try:
+            sub.all_reduce(np.ones(8))
+            out = {"error": None}
+        except collectives.CollectiveError as exc:
+            out = {"error": type(exc).__name__, "peer": getattr(exc, "peer", None),
+                   "message": str(exc), "after_s": time.monotonic() - t0}
+    pg.barrier()
+    pg.close()
+    return out
+
+
+def test_a_member_that_aborts_a_subgroup_is_named_by_the_others():
+    # (a peer that left the call is a PeerError naming it, where disagreeing calls are a
+    # CollectiveMismatch: test_mismatches_are_detected_and_name_both_sides)
+    results = collectives.spawn(_job_member_aborts_subgroup, 3, backend="zmq", timeout=30)
+    for r in (1, 2):
+        got = results[r]
+        assert got["error"] == "PeerError" and got["peer"] == 0, got
+        assert "rank 0 reported" in got["message"] and got["after_s"] < 10, got
+
+
 # ------------------------------------------------------------------- faults and timeouts
 def _write(path: str, rank: int, payload: dict) -> None:
     with open(f"{path}.{rank}", "w") as f:

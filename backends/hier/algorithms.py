@@ -112,6 +112,10 @@ def _leader_all_reduce(b: TwoLevel, a: np.ndarray, op: ReduceOp) -> None:
 
 #: A split all_reduce runs in at most this many pieces.
 MAX_PIECES = 256
+#: ... and hands this many to the network before it waits for the first of them: a
+#: pause of this rank (the host's steps, a busy core) is covered by the pieces queued
+#: behind the one on the wire, where one piece queued would drain in a few ms.
+AHEAD = 4
 
 
 def pieces(b: TwoLevel, nbytes: int) -> int:
@@ -121,9 +125,9 @@ def pieces(b: TwoLevel, nbytes: int) -> int:
 
 
 def _split_all_reduce(b: TwoLevel, a: np.ndarray, op: ReduceOp) -> None:
-    """Pipelined: piece p's step between hosts runs while this thread reduce-scatters
-    piece p+1 and all-gathers piece p-1 in the host, so the network is never idle for
-    the host's steps (the same order of calls on every rank). Two hosts stream the
+    """Pipelined: pieces p to p+AHEAD-1 are on their way between hosts while this thread
+    all-gathers piece p-1 and reduce-scatters the next in the host, so the network is
+    never idle for the host's steps (the same order of calls on every rank). Two hosts stream the
     shards (:func:`_exchange_pieces`); more run a column all_reduce per piece."""
     L = len(b.topo.local_ranks)
     n = a.size
@@ -152,13 +156,14 @@ def _column_pieces(b: TwoLevel, shards: np.ndarray, s: int, count: int, op: Redu
     column group's thread) while the host reduce-scatters the next; yields ``(q, the
     summed shard of piece q)`` in order."""
     works = []
-    for p in range(count + 1):
+    for p in range(count + AHEAD):
         if p < count:
             reduce_in_host(p)
             works.append(b.column_start("all_reduce", shards[p * s:(p + 1) * s], op))
-        if p > 0:
-            b.column_wait(works[p - 1])
-            yield p - 1, shards[(p - 1) * s:p * s]
+        q = p - AHEAD
+        if q >= 0:
+            b.column_wait(works[q])
+            yield q, shards[q * s:(q + 1) * s]
 
 
 def _exchange_pieces(b: TwoLevel, shards: np.ndarray, s: int, count: int, op: ReduceOp,
@@ -172,14 +177,14 @@ def _exchange_pieces(b: TwoLevel, shards: np.ndarray, s: int, count: int, op: Re
     first = b.column_index == 0
     theirs = b.scratch("theirs", s * count, shards.dtype)
     posted = []
-    for p in range(count + 1):
+    for p in range(count + AHEAD):
         if p < count:
             reduce_in_host(p)
             piece = slice(p * s, (p + 1) * s)
             posted.append(b.column_exchange(shards[piece], theirs[piece], tag=p))
-        if p > 0:
-            q = p - 1
-            piece = slice(q * s, p * s)
+        q = p - AHEAD
+        if q >= 0:
+            piece = slice(q * s, (q + 1) * s)
             received, sent = posted[q]
             b.column_wait(received)
             b.column_wait(sent)            # (the shard is sent from in place)

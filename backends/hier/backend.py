@@ -24,7 +24,6 @@ Two ranks on each of two hosts::
 
 from __future__ import annotations
 
-import re
 import threading
 from typing import Any, Optional, Sequence
 
@@ -32,7 +31,7 @@ import numpy as np
 
 from collectives import settings
 from collectives.backend import Backend, Capabilities
-from collectives.errors import (CollectiveError, CollectiveMismatch, CollectiveTimeout,
+from collectives.errors import (CollectiveError, CollectiveTimeout,
                                 GroupAborted, PeerError)
 from collectives.group import ProcessGroup
 from collectives.paths import Path, PathTable
@@ -44,8 +43,6 @@ from .topology import Topology
 
 __all__ = ["HierBackend"]
 
-#: The group rank in zmq's report of an aborted sub-group ("rank 0 reported: ...").
-_REPORTER = re.compile(r"\brank (\d+) reported\b")
 #: Scratch buffers larger than this are not kept between calls.
 _KEEP_SCRATCH = 256 << 20
 
@@ -148,16 +145,9 @@ class HierBackend(Backend):
             raise self._lift_column(exc) from exc
 
     def _lift_column(self, exc: CollectiveError) -> CollectiveError:
-        """A column's error lifted. zmq tells the members of an aborted sub-group with a
-        CollectiveMismatch ("rank k reported: ... the group was aborted"); in a column
-        that is a peer that left the call because of a failure elsewhere (``_break``):
-        a PeerError naming it."""
-        if isinstance(exc, CollectiveMismatch) and "group was aborted" in str(exc):
-            found = _REPORTER.search(str(exc))
-            peer = int(found.group(1)) if found else -1
-            exc = PeerError(str(exc), peer=peer if 0 <= peer < len(self.column_ranks) else -1)
-            return self._lift(exc, "between hosts", self.column_ranks,
-                              lambda p: self.column_ranks[p])
+        """A column's error lifted. A peer that left the column's call because of a
+        failure elsewhere (``_break``) aborted the column: zmq tells its members with a
+        ``PeerError`` naming it."""
         return self._lift(exc, "between hosts", self.column_ranks, self._column_peer)
 
     def _column_peer(self, peer: int) -> int:

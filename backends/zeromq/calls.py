@@ -95,7 +95,7 @@ class Partial:
 
 class GroupState:
     __slots__ = ("gid", "members", "active_seq", "active_sig", "done_seq", "done_sig",
-                 "failed_upto", "error", "seen", "posted_from")
+                 "failed_upto", "error", "error_peer", "seen", "posted_from")
 
     def __init__(self, gid: int, members: tuple) -> None:
         self.gid, self.members = gid, members
@@ -105,6 +105,8 @@ class GroupState:
         self.done_sig: Optional[tuple] = None          # signature of call done_seq
         self.failed_upto = -1
         self.error: Optional[str] = None
+        #: The rank (of the engine's world) whose report failed the group, or -1.
+        self.error_peer = -1
         self.seen: dict[int, wire.Header] = {}         # src -> its message of highest seq
         self.posted_from: dict[int, set] = {}          # src -> posted collective Recvs
 

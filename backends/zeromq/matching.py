@@ -3,7 +3,8 @@ sent for it, whichever comes first (what waits meanwhile is kept in a
 :class:`~backends.zeromq.pending.Pending`). Every match compares the header with what the
 receive expects, and each group's collectives are checked against the sequence numbers
 its members' messages carry; a mismatch fails the receive and a collective's whole group,
-on every member (an ABORT tells the others). A peer that is gone fails what waits for it.
+on every member (an ABORT tells the others: their calls fail with a ``PeerError`` naming
+the member that reported it). A peer that is gone fails what waits for it.
 
 :class:`Matcher` decides where each byte goes and which request fails; when and by which
 thread the sockets are read is :class:`~backends.zeromq.progress.Progress`'s. Its state
@@ -43,7 +44,7 @@ class Matcher:
         self._conns = connections  # to tell a failed group's other members
         self._pending = Pending()
         self._groups: dict[int, GroupState] = {}
-        self._early_aborts: dict[int, tuple[int, str]] = {}
+        self._early_aborts: dict[int, tuple[int, str, bool]] = {}
 
     # ========================================================================= groups
     def register_group(self, gid: int, members: tuple) -> None:
@@ -55,6 +56,7 @@ class Matcher:
             early = self._early_aborts.pop(gid, None)
             if early is not None:  # a member failed in it before this rank created it
                 gs.error = f"rank {rank_in_group(gs, early[0])} reported: {early[1]}"
+                gs.error_peer = early[0] if early[2] else -1
             for src, msg in self._pending.unexpected_in(gid):  # what members sent before
                 seen = gs.seen.get(src)
                 if msg.header.seq != wire.NO_SEQ and (seen is None or msg.header.seq > seen.seq):
@@ -66,12 +68,12 @@ class Matcher:
             self._pending.drop_group(gid)
 
     def raise_if_failed(self, call: Call) -> None:
-        """CollectiveMismatch when ``call``'s group failed earlier (with or without the
-        lock: it reads one attribute)."""
+        """The group's error (:func:`group_error`) when ``call``'s group failed earlier
+        (with or without the lock: it reads one attribute)."""
         gs = self._groups.get(call.gid)
         if gs is not None and gs.error:
-            raise CollectiveMismatch(f"{call.where}: the group is unusable after an earlier "
-                                     f"error: {gs.error}")
+            raise group_error(gs, f"{call.where}: the group is unusable after an earlier "
+                                  f"error: {gs.error}")
 
     def begin(self, call: Call, sig: tuple) -> None:
         """Lock held: ``call`` (signature ``sig``) is the collective its group runs now;
@@ -272,38 +274,42 @@ class Matcher:
         with self._lock:
             gs = self._groups.get(gid)
             if gs is not None:
-                self._fail_group(gs, "the group was aborted", forward=True)
+                self._fail_group(gs, "the group was aborted", forward=True, left=True)
 
-    def on_abort(self, peer: int, gid: int, text: str) -> None:
-        """``peer`` failed group ``gid`` (``text``: why): so does this rank."""
+    def on_abort(self, peer: int, gid: int, text: str, left: bool = False) -> None:
+        """``peer`` failed group ``gid`` (``text``: why; ``left``: it left the group's call,
+        rather than saw its calls disagree): so does this rank."""
         with self._lock:
             gs = self._groups.get(gid)
             if gs is not None:
                 self._fail_group(gs, f"rank {rank_in_group(gs, peer)} reported: {text}",
-                                 forward=False)
+                                 forward=False, peer=peer if left else -1)
             elif len(self._early_aborts) < 1024:  # a group this rank has yet to create
-                self._early_aborts[gid] = (peer, text)
+                self._early_aborts[gid] = (peer, text, left)
 
-    def _fail_group(self, gs: GroupState, problem: str, forward: bool) -> None:
-        """Lock held: the group's calls fail with CollectiveMismatch from now on; with
-        ``forward``, tell the other members (they fail too instead of waiting)."""
+    def _fail_group(self, gs: GroupState, problem: str, forward: bool, peer: int = -1,
+                    left: bool = False) -> None:
+        """Lock held: the group's calls fail from now on (:func:`group_error`; ``peer``:
+        the member that left the group's call, failing it); with ``forward``, tell the
+        other members (they fail too instead of waiting; ``left``: this rank left it)."""
         if gs.error:
             return
-        gs.error = problem
+        gs.error, gs.error_peer = problem, peer
         gid = gs.gid
         self._fail(self._drop(lambda k: k[1] == gid),
-                   lambda r: CollectiveMismatch(f"{r.call.where}: {problem}"))
+                   lambda r: group_error(gs, f"{r.call.where}: {problem}"))
         gs.posted_from.clear()
         self._cond.notify_all()
         if forward:
             rank = self._rank
             text = f"rank {rank_in_group(gs, rank)} detected: {problem}".encode()[:4000]
             meta = wire.Meta(0, max(gs.active_seq, 0))
+            tag = wire.ABORT_LEFT if left else 0
             down = self._liveness.down
             for p in gs.members:
                 if p != rank and p not in down:
-                    self._conns.send_control(p, [wire.pack(Kind.ABORT, rank, p, gid=gid,
-                                                           meta=meta), text])
+                    self._conns.send_control(p, [wire.pack(Kind.ABORT, rank, p, gid=gid, meta=meta,
+                                                           tag=tag), text])
 
     def peer_down(self, peer: int, why: str, died: bool = False) -> None:
         """Lock held: ``peer`` is gone; fail every receive waiting for it, and when it
@@ -359,3 +365,13 @@ class Matcher:
         for r in reqs:
             if r.error is None and not r.done:
                 r.error = error(r)
+
+
+def group_error(gs: GroupState, message: str) -> CollectiveError:
+    """The error of a call in failed group ``gs``: ``PeerError`` naming the member
+    (``peer``, a rank of the engine's world) that left the group's call (it aborted the
+    group, because of a failure of its own), else ``CollectiveMismatch`` (the group's
+    calls disagree, or this rank aborted it)."""
+    if gs.error_peer >= 0:
+        return PeerError(message, peer=gs.error_peer)
+    return CollectiveMismatch(message)

@@ -85,7 +85,7 @@ class Progress:
         elif h.kind == Kind.ABORT:
             text = sock.recv(zmq.NOBLOCK).decode("utf-8", "replace") if sock.getsockopt(zmq.RCVMORE) else ""
             discard_rest(sock)
-            self._matcher.on_abort(peer, h.gid, text)
+            self._matcher.on_abort(peer, h.gid, text, left=h.tag == wire.ABORT_LEFT)
         elif h.kind == Kind.BYE:
             discard_rest(sock)
             with self._cond:

@@ -25,7 +25,8 @@ Header fields, in order::
     src, dst   I I world ranks of sender and receiver
     gid        Q   group id (0: the world; sub-groups: a hash of members and instance)
     seq        Q   the collective's sequence number on its group (2**64-1 for p2p)
-    tag        Q   the matching tag (user tag, or collectives.algorithms.Links' tag)
+    tag        Q   the matching tag (user tag, or collectives.algorithms.Links' tag);
+                   an ABORT's: ABORT_LEFT when its sender left the group's call
     count      Q   elements of the whole tensor
     nbytes     Q   bytes of the whole tensor (== count * itemsize)
     offset     Q   where this message's frame starts (0 for the first part)
@@ -76,6 +77,10 @@ class Kind:
     REFUSED = 8
     INLINE = 9
 
+
+#: An ABORT's tag when its sender left the group's call (it aborted the group, because
+#: of a failure of its own) rather than saw the group's calls disagree (tag 0).
+ABORT_LEFT = 1
 
 _INLINE_KIND = bytes([Kind.INLINE])
 
