@@ -30,7 +30,8 @@ class CollectiveTimeout(CollectiveError, TimeoutError):
 
 
 class PeerError(CollectiveError):
-    """A peer rank died, hung up or reported a failure."""
+    """A peer rank died, hung up or reported a failure. ``peer``: its rank in the
+    group of the call (-1: unknown)."""
 
     def __init__(self, message: str, *, peer: int = -1) -> None:
         super().__init__(message)

@@ -426,6 +426,29 @@ def test_initializer_launcher_and_the_failure_report():
     assert "reproduce: WorldPool('kit-broken', 2).check(case)" in text
 
 
+def _marked_variables(group, names):
+    return {n: os.environ.get(n) for n in names}
+
+
+@needs_shm
+def test_forked_workers_take_the_callers_environment_not_the_servers(monkeypatch):
+    # A fork server keeps the environment it started with; a worker forked from it must
+    # see what the caller has now (a variable set since, one removed since), as a spawned
+    # worker does: else a test's COLLECTIVES_HOST outlives it in every later forked world.
+    from collectives import warm_start
+    monkeypatch.setenv("KIT_MARK_GONE", "1")
+    warm_start.context("forkserver")            # the server runs (with KIT_MARK_GONE, if new)
+    monkeypatch.delenv("KIT_MARK_GONE")
+    monkeypatch.setenv("KIT_MARK_NEW", "2")
+
+    def forked(envs, initializer):
+        return spawn_launcher(envs, initializer, start_method="forkserver")
+
+    with WorldPool("shm", 2, timeout=5, launcher=forked) as pool:
+        seen = pool.call(_marked_variables, ["KIT_MARK_GONE", "KIT_MARK_NEW"])
+    assert seen == [{"KIT_MARK_GONE": None, "KIT_MARK_NEW": "2"}] * 2
+
+
 def test_mpi_workers_are_started_by_mpiexec():
     try:
         launcher = launcher_for("p2p:mpi")

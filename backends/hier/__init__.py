@@ -60,7 +60,7 @@ def create(rendezvous: Rendezvous, timeout: float) -> HierBackend:
             net = None
         local = _host_group(topo, rendezvous, timeout)
         try:
-            backend = HierBackend(topo, local, net, timeout, net_name, range(size))
+            backend = HierBackend(topo, local, net, timeout, net_name)
         except BaseException:
             local.abort("the hier group could not be made")
             raise

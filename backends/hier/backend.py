@@ -50,21 +50,19 @@ _KEEP_SCRATCH = 256 << 20
 class HierBackend(Backend):
     """shm inside each host, a network transport between hosts (see the module
     docstring). ``local``: the host's group (shm); ``net``: every rank over the network
-    (None on one host); ``world_ranks``: this group's ranks in the world of ``net``'s
-    engine (the ranks a zmq error names)."""
+    (None on one host)."""
 
     name = "hier"
     capabilities = Capabilities(regroups=True)
 
     def __init__(self, topo: Topology, local: ProcessGroup, net: Optional[ProcessGroup],
-                 timeout: float, net_name: str, world_ranks: Sequence[int]) -> None:
+                 timeout: float, net_name: str) -> None:
         self._parts: list[ProcessGroup] = []
         super().__init__(topo.rank, topo.size, timeout)
         self.topo = topo
         self.local = local
         self.net = net
         self.net_name = net_name
-        self.world_ranks = tuple(world_ranks)
         self.split_bytes: int = settings.HIER_SPLIT_BYTES.get()
         self.piece_bytes: int = settings.HIER_PIECE_BYTES.get()
         #: This rank's column (even hosts: the ranks with its local index; uneven: the
@@ -100,8 +98,7 @@ class HierBackend(Backend):
         try:
             getattr(self.local, name)(*args)
         except CollectiveError as exc:
-            raise self._lift(exc, "in the host", self.topo.local_ranks,
-                             lambda p: self.topo.local_ranks[p]) from exc
+            raise self._lift(exc, "in the host", self.topo.local_ranks) from exc
 
     def on_column(self, name: str, *args: Any) -> None:
         """Collective ``name`` of this rank's column (between hosts), its failure lifted."""
@@ -148,22 +145,15 @@ class HierBackend(Backend):
         """A column's error lifted. A peer that left the column's call because of a
         failure elsewhere (``_break``) aborted the column: zmq tells its members with a
         ``PeerError`` naming it."""
-        return self._lift(exc, "between hosts", self.column_ranks, self._column_peer)
+        return self._lift(exc, "between hosts", self.column_ranks)
 
-    def _column_peer(self, peer: int) -> int:
-        """This group's rank of the peer a column's error names: zmq names ranks of its
-        engine's world (``world_ranks``), the others their group's."""
-        if self.net_name == "zmq":
-            return self.world_ranks.index(peer) if peer in self.world_ranks else -1
-        return self.column_ranks[peer] if 0 <= peer < len(self.column_ranks) else -1
-
-    def _lift(self, exc: CollectiveError, part: str, ranks: Sequence[int],
-              peer_of: Any) -> CollectiveError:
-        """``exc`` from a part, as the same type of error naming this group's call."""
+    def _lift(self, exc: CollectiveError, part: str, ranks: Sequence[int]) -> CollectiveError:
+        """``exc`` from a part (whose rank ``i`` is this group's ``ranks[i]``), as the
+        same type of error naming this group's call."""
         op, seq = getattr(self._call, "op", "collective"), getattr(self._call, "seq", -1)
         head = f"{self.describe_call(op, seq)}: {part} (ranks {', '.join(map(str, ranks))})"
-        if isinstance(exc, PeerError):
-            peer = peer_of(exc.peer) if exc.peer >= 0 else -1
+        if isinstance(exc, PeerError):   # (``peer``, too, in the part's numbering)
+            peer = ranks[exc.peer] if 0 <= exc.peer < len(ranks) else -1
             named = f": rank {peer}" if peer >= 0 else ""
             return PeerError(f"{head}{named}: {exc}", peer=peer)
         if isinstance(exc, CollectiveTimeout):
@@ -311,8 +301,7 @@ class HierBackend(Backend):
         net = None
         if len(topo.hosts) > 1:
             net = self.net.new_group(list(ranks))
-        return HierBackend(topo, local, net, self.timeout, self.net_name,
-                           [self.world_ranks[r] for r in ranks])
+        return HierBackend(topo, local, net, self.timeout, self.net_name)
 
     def regroup_refusal(self) -> Optional[str]:
         if self.net is None:

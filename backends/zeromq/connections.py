@@ -141,7 +141,7 @@ class Connections:
                 return write_tensor(sock, header, flat)
             except zmq.Again:
                 raise PeerError(f"{call.where}: {call.peer(dst)} is unreachable (its "
-                                f"connection closed)", peer=dst) from None
+                                f"connection closed)", peer=call.group_rank(dst)) from None
 
     def send_control(self, peer: int, frames: list) -> None:
         """A control message (ABORT, BYE) to ``peer``; dropped when it cannot be queued

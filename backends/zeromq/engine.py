@@ -163,7 +163,7 @@ class Engine:
         liveness = self._liveness
         why = liveness.down.get(dst)
         if why is not None:
-            raise PeerError(f"{call.where}: cannot send to {call.peer(dst)}: it {why}", peer=dst)
+            raise PeerError(f"{call.where}: cannot send to {call.peer(dst)}: it {why}", peer=call.group_rank(dst))
         if liveness.dead and call.collective:  # a member died after this collective began
             with self._lock:
                 liveness.raise_if_member_dead(call)

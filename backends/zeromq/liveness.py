@@ -54,4 +54,4 @@ class Liveness:
         for m in call.members:
             if m in self.dead:
                 raise PeerError(f"{call.where}: {call.peer(m)} {self.down[m]}; a collective "
-                                f"over it cannot complete", peer=m)
+                                f"over it cannot complete", peer=call.group_rank(m))

@@ -128,7 +128,7 @@ class Matcher:
         why = liveness.down.get(src)
         if why is not None:
             raise PeerError(f"{call.where}: {call.peer(src)} {why} before sending the "
-                            f"message this rank waits for", peer=src)
+                            f"message this rank waits for", peer=call.group_rank(src))
         if collective and liveness.dead:  # a member died after this collective began
             liveness.raise_if_member_dead(call)
         self._pending.post(req)
@@ -265,7 +265,7 @@ class Matcher:
 
     def _malformed(self, req: Recv, src: int) -> None:
         req.error = PeerError(f"{req.call.where}: malformed message from "
-                              f"{req.call.peer(src)}", peer=src)
+                              f"{req.call.peer(src)}", peer=req.call.group_rank(src))
         self._cond.notify_all()
 
     # ======================================================================= failures
@@ -320,10 +320,10 @@ class Matcher:
         pending = self._pending
         self._fail(pending.drop_partial(lambda k: k[0] == peer),
                    lambda r: PeerError(f"{r.call.where}: {r.call.peer(peer)} {why} in the "
-                                       f"middle of a message", peer=peer))
+                                       f"middle of a message", peer=r.call.group_rank(peer)))
         self._fail(self._unindexed(pending.drop_posted(lambda k: k[0] == peer)),
                    lambda r: PeerError(f"{r.call.where}: {r.call.peer(peer)} {why} before "
-                                       f"sending the message this rank waits for", peer=peer))
+                                       f"sending the message this rank waits for", peer=r.call.group_rank(peer)))
         if died:
             # A collective over the dead rank cannot complete even where this rank waits
             # for another member (which may wait for the dead one, or give up on it): fail
@@ -332,7 +332,7 @@ class Matcher:
             groups = {gid for gid, gs in self._groups.items() if peer in gs.members}
             self._fail(self._drop(lambda k: k[1] in groups, lambda r: r.call.collective),
                        lambda r: PeerError(f"{r.call.where}: {r.call.peer(peer)} {why}; a "
-                                           f"collective over it cannot complete", peer=peer))
+                                           f"collective over it cannot complete", peer=r.call.group_rank(peer)))
         self._cond.notify_all()
 
     def fail_all(self, how: str) -> None:
@@ -369,9 +369,9 @@ class Matcher:
 
 def group_error(gs: GroupState, message: str) -> CollectiveError:
     """The error of a call in failed group ``gs``: ``PeerError`` naming the member
-    (``peer``, a rank of the engine's world) that left the group's call (it aborted the
+    (``peer``, its rank in the group) that left the group's call (it aborted the
     group, because of a failure of its own), else ``CollectiveMismatch`` (the group's
     calls disagree, or this rank aborted it)."""
     if gs.error_peer >= 0:
-        return PeerError(message, peer=gs.error_peer)
+        return PeerError(message, peer=rank_in_group(gs, gs.error_peer))
     return CollectiveMismatch(message)

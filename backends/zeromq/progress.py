@@ -277,7 +277,7 @@ class Progress:
                     return
                 if gone is not None:
                     raise PeerError(f"{call.where}: {call.peer(dst)} {gone} "
-                                    f"before taking the message", peer=dst)
+                                    f"before taking the message", peer=call.group_rank(dst))
             now = time.monotonic()
             if now >= deadline:
                 wait = timeout if timeout is not None else call.timeout

@@ -71,14 +71,17 @@ def spawn_launcher(envs: list[dict[str, str]], initializer: Optional[Task] = Non
     """Start one ``multiprocessing`` process per environment (the default launcher;
     ``start_method="forkserver"`` forks them from a server that already imported what
     ``multiprocessing.set_forkserver_preload`` named). Workers die with the pool's
-    process (``PR_SET_PDEATHSIG``)."""
+    process (``PR_SET_PDEATHSIG``). Each worker's environment is this process's at the
+    call plus its entry of ``envs``, whichever the start method (a fork server's own
+    environment is the one it started with)."""
     ctx = multiprocessing.get_context(start_method)
     procs, conns = [], []
     job_id = envs[0].get(settings.JOB_ID.name, "") if envs else ""
     try:
         for env in envs:
             ours, theirs = ctx.Pipe(duplex=True)
-            p = ctx.Process(target=_spawned_worker, args=(env, theirs, initializer),
+            p = ctx.Process(target=_spawned_worker, args=({**os.environ, **env}, theirs,
+                                                          initializer),
                             name=f"collectives-pool-rank{env.get('RANK', '?')}", daemon=False)
             p.start()
             theirs.close()

@@ -96,8 +96,11 @@ def serve(conn: multiprocessing.connection.Connection,
 
 def _spawned_worker(env: dict[str, str], conn: multiprocessing.connection.Connection,
                     initializer: Optional[Task]) -> None:
+    """A worker of :func:`~collectives.testing.launchers.spawn_launcher`: ``env`` is its
+    whole environment."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the pool stops us; Ctrl-C is its job
+    os.environ.clear()      # (the whole environment of the caller: not a fork server's)
     os.environ.update(env)
     serve(conn, initializer)
     # The group is closed and the pool has its answer: skip the interpreter's slow
