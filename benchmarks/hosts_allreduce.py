@@ -16,6 +16,11 @@ so the machine's changing load hits them alike, and the median round is reported
 busbw = bytes x 2(n-1)/n / time, n the world size (the traffic of a ring on every link;
 nccl-tests' definition). gloo is driven through torch.distributed directly (no wrapper of
 ours in the way); float32 torch tensors throughout.
+
+"link use" is how well a case fills the first host's link: the payload it sent there (the
+interface's bytes, less one frame's headers per packet the kernel handed it) over the bytes
+the link's tbf charged for them (headers counted once per 1500-byte frame), over all its
+rounds.
 """
 
 from __future__ import annotations
@@ -84,6 +89,16 @@ def rank_main(impl: str, sizes: list[int]) -> None:
         print(json.dumps({"impl": impl, "world_size": size, "seconds": rows}), flush=True)
 
 
+def _link_counters(rig: HostRig) -> tuple[int, int, int]:
+    """The first host's link: bytes charged by its tbf, bytes and packets sent."""
+    out = rig.run(rig.names[0], "tc -s qdisc show dev eth0; cat /sys/class/net/eth0/"
+                  "statistics/tx_bytes /sys/class/net/eth0/statistics/tx_packets",
+                  check=True).stdout
+    charged = int(out.split("Sent", 1)[1].split()[0])
+    sent, packets = (int(x) for x in out.split()[-2:])
+    return charged, sent, packets
+
+
 def _busbw(nbytes: int, seconds: float, n: int) -> float:
     return nbytes / seconds / 1e9 * busbw_factor("all_reduce", n)
 
@@ -117,6 +132,7 @@ def main(args: argparse.Namespace) -> int:
     n = args.hosts * args.per_host
     secret = {"COLLECTIVES_SECRET": os.urandom(32).hex()}
     runs: dict = {i: [] for i in impls}
+    link = {i: [0, 0] for i in impls}   # payload, charged
     ddp: dict = {"hier": [], "zmq": []} if args.ddp_epochs > 0 else {}
     load = os.getloadavg()
     started = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
@@ -127,9 +143,13 @@ def main(args: argparse.Namespace) -> int:
     with HostRig(args.hosts, rate=args.rate) as rig:
         for rnd in range(args.repeat):
             for impl in impls:
+                before = _link_counters(rig)
                 out = run_ranks(rig, [sys.executable, __file__, "--rank-job", impl,
                                       ",".join(map(str, sizes))],
                                 per_host=args.per_host, env=secret, timeout=600)
+                charged, sent, packets = (b - a for a, b in zip(before, _link_counters(rig)))
+                link[impl][0] += sent - 66 * packets   # Ethernet 14, IP 20, TCP 32
+                link[impl][1] += charged
                 runs[impl].append({int(k): v for k, v in summary(out)["seconds"].items()})
                 print(f"# round {rnd + 1}/{args.repeat} {impl}: " + ", ".join(
                     f"{s // MIB} MiB {_busbw(s, runs[impl][-1][s], n):.3f} GB/s"
@@ -151,6 +171,7 @@ def main(args: argparse.Namespace) -> int:
         bw = {i: _busbw(s, med[i][s], n) for i in impls}
         print(f"{s // MIB:>5} MiB" + "".join(f"{bw[i]:>12.3f}" for i in impls)
               + "".join(f"{bw[a] / bw[b]:>11.2f}x" for a, b in ratios))
+    print("link use: " + ", ".join(f"{i} {link[i][0] / max(1, link[i][1]):.1%}" for i in impls))
     if ddp:
         wall = {i: statistics.median(r["wall_s"] for r in ddp[i]) for i in ddp}
         print(f"\nexamples/ddp.py --epochs {args.ddp_epochs}, {n} ranks, training loop "
@@ -162,7 +183,8 @@ def main(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump({"hosts": args.hosts, "per_host": args.per_host, "rate": args.rate,
                        "started": started, "load_average": load,
-                       "allreduce_seconds": runs, "ddp": ddp}, f, indent=1)
+                       "allreduce_seconds": runs, "link_payload_charged": link,
+                       "ddp": ddp}, f, indent=1)
     return 0
 
 
