@@ -9,11 +9,17 @@ already) or a ``torch.bfloat16`` tensor (then this module imports it).
 
 A table keyed by dtype registers itself with :func:`when_bfloat16`; the entry points
 that look at a caller's dtype (``collectives.buffers``, ``collectives.fast_path``) call
-:func:`resolve` on a dtype they do not know before they refuse it. Two ranks::
+:func:`resolve` on a dtype they do not know before they refuse it. Two ranks:
 
-    a = torch.ones(4, dtype=torch.bfloat16)
-    pg.all_reduce(a)      # the first bfloat16 call imports ml_dtypes, then every table
-                          # (shm's codes, zmq's wire, the fast path) knows it
+>>> import torch, collectives
+>>> def bf16():
+...     pg = collectives.init_process_group()
+...     a = torch.ones(4, dtype=torch.bfloat16)
+...     pg.all_reduce(a)   # the first bfloat16 call imports ml_dtypes, then every table
+...     pg.close()         # (shm's codes, zmq's wire, the fast path) knows it
+...     return a.tolist()
+>>> collectives.spawn(bf16, 2)
+[[2.0, 2.0, 2.0, 2.0], [2.0, 2.0, 2.0, 2.0]]
 """
 
 from __future__ import annotations

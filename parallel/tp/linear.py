@@ -159,10 +159,23 @@ class ColumnParallelLinear(_ParallelLinear):
     draws the seed of the dense initialisation (``nn.Linear``'s) and every rank keeps its
     block, so the layer equals one dense ``nn.Linear``.
 
-    Two ranks::
+    Two ranks, each with half of the output features:
 
-        fc1 = ColumnParallelLinear.from_dense(nn.Linear(784, 256), pg)  # .weight (128, 784)
-        h = fc1(x)                       # x (b, 784) on both -> h (b, 128): rank r's block
+    >>> import torch, collectives
+    >>> from torch import nn
+    >>> from parallel.tp import ColumnParallelLinear
+    >>> def column():
+    ...     pg = collectives.init_process_group()
+    ...     torch.manual_seed(0)                              # the same dense layer on both
+    ...     dense = nn.Linear(8, 4)
+    ...     fc = ColumnParallelLinear.from_dense(dense, pg)   # .weight (2, 8): rank r's rows
+    ...     x = torch.ones(3, 8)                              # the same input on both
+    ...     h = fc(x)                                         # (3, 2): rank r's block
+    ...     mine = dense(x)[:, 2 * pg.rank:2 * pg.rank + 2]
+    ...     pg.close()
+    ...     return tuple(fc.weight.shape), tuple(h.shape), torch.allclose(h, mine)
+    >>> collectives.spawn(column, 2)
+    [((2, 8), (3, 2), True), ((2, 8), (3, 2), True)]
     """
 
     split_dim = 0
@@ -204,10 +217,25 @@ class RowParallelLinear(_ParallelLinear):
     output, bitwise the same on every rank. The constructor is a collective unless ``seed``
     is given (see :class:`ColumnParallelLinear`).
 
-    Two ranks::
+    Two ranks, after a :class:`ColumnParallelLinear`: the two layers equal the dense
+    ones, on both ranks.
 
-        fc2 = RowParallelLinear.from_dense(nn.Linear(256, 64), pg)      # .weight (64, 128)
-        y = fc2(h)                       # h (b, 128): rank r's block -> y (b, 64) on both
+    >>> import torch, collectives
+    >>> from torch import nn
+    >>> from parallel.tp import ColumnParallelLinear, RowParallelLinear
+    >>> def mlp():
+    ...     pg = collectives.init_process_group()
+    ...     torch.manual_seed(0)                              # the same dense layers on both
+    ...     dense1, dense2 = nn.Linear(8, 4), nn.Linear(4, 2)
+    ...     fc1 = ColumnParallelLinear.from_dense(dense1, pg)
+    ...     fc2 = RowParallelLinear.from_dense(dense2, pg)    # .weight (2, 2): rank r's columns
+    ...     x = torch.ones(3, 8)
+    ...     y = fc2(fc1(x))                                   # (3, 2), the same on both
+    ...     dense = dense2(dense1(x))
+    ...     pg.close()
+    ...     return tuple(fc2.weight.shape), tuple(y.shape), torch.allclose(y, dense, atol=1e-6)
+    >>> collectives.spawn(mlp, 2)
+    [((2, 2), (3, 2), True), ((2, 2), (3, 2), True)]
     """
 
     split_dim = 1
