@@ -12,11 +12,13 @@ and MAX, ``{-2, -1, 1, 2}`` (``{1, 2}`` unsigned, and ``+-1`` beyond the sixth r
 products fit ``int8``) for PRODUCT, ``-100..100`` (``0..100`` unsigned) for ops that only
 move data. Only AVG rounds (one division), and is compared with a tolerance.
 
-Two ranks::
+What two ranks get and must hold (computed in any process: no ranks are started):
 
-    case = CollectiveCase("all_reduce", (3,), "float32", reduce_op="SUM")
-    make_input(case, 0, 2), make_input(case, 1, 2)     # each rank's tensor
-    expected_outputs(case, 2)                          # [sum, sum]
+>>> case = CollectiveCase("all_reduce", (3,), "float32", reduce_op="SUM")
+>>> inputs = [make_input(case, r, 2) for r in range(2)]     # each rank's tensor
+>>> outputs = expected_outputs(case, 2)                     # [sum, sum]
+>>> bool((outputs[0] == inputs[0] + inputs[1]).all()), len(outputs)
+(True, 2)
 """
 
 from __future__ import annotations

@@ -99,12 +99,28 @@ class ParallelTransformerBlock(nn.Module):
     Input and output: (batch, seq, hidden), the same on every rank; with
     ``sequence_parallel=True``, rank r's block (batch, seq/n, hidden) of the sequence.
 
-    Two ranks::
+    Two ranks, each with half of the heads and of the MLP; with sequence parallelism,
+    each with half of the positions:
 
-        block = ParallelTransformerBlock.from_dense(TransformerBlock(64, 8), pg)
-        y = block(x)                       # x (b, s, 64) on both; heads 4r..4r+3 here
-        sp = ParallelTransformerBlock.from_dense(dense, pg, sequence_parallel=True)
-        y_r = sp(scatter_to_sequence(x, pg))   # (b, s/2, 64): this rank's positions
+    >>> import torch, collectives
+    >>> from parallel.tp import (ParallelTransformerBlock, TransformerBlock,
+    ...                          scatter_to_sequence)
+    >>> def blocks():
+    ...     pg = collectives.init_process_group()
+    ...     torch.manual_seed(0)                        # the same dense block and input
+    ...     dense = TransformerBlock(16, 4)
+    ...     x = torch.randn(2, 6, 16)
+    ...     block = ParallelTransformerBlock.from_dense(dense, pg)   # heads 2r, 2r+1 here
+    ...     y = block(x)                                # (2, 6, 16) on both
+    ...     sp = ParallelTransformerBlock.from_dense(dense, pg, sequence_parallel=True)
+    ...     y_r = sp(scatter_to_sequence(x, pg))        # (2, 3, 16): this rank's positions
+    ...     want = dense(x)
+    ...     mine = want[:, 3 * pg.rank:3 * pg.rank + 3]
+    ...     pg.close()
+    ...     return (torch.allclose(y, want, atol=1e-5), tuple(y_r.shape),
+    ...             torch.allclose(y_r, mine, atol=1e-5))
+    >>> collectives.spawn(blocks, 2)
+    [(True, (2, 3, 16), True), (True, (2, 3, 16), True)]
     """
 
     def __init__(self, hidden: int, num_heads: int, group: Any,

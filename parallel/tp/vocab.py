@@ -49,10 +49,23 @@ class VocabParallelEmbedding(nn.Module):
     dense gradient's block. The constructor is a collective unless ``seed`` is given (rank
     0 draws the seed of the dense ``nn.Embedding`` initialisation, N(0, 1)).
 
-    Two ranks::
+    Two ranks, each with half of the vocabulary; every id's row comes out on both:
 
-        emb = VocabParallelEmbedding.from_dense(nn.Embedding(1000, 64), pg)  # (500, 64)
-        h = emb(ids)                     # ids (b, s) on both -> h (b, s, 64) on both
+    >>> import torch, collectives
+    >>> from torch import nn
+    >>> from parallel.tp import VocabParallelEmbedding
+    >>> def embed():
+    ...     pg = collectives.init_process_group()
+    ...     torch.manual_seed(0)                                 # the same table on both
+    ...     dense = nn.Embedding(10, 4)
+    ...     emb = VocabParallelEmbedding.from_dense(dense, pg)   # .weight (5, 4): its ids
+    ...     ids = torch.tensor([[0, 9, 4, 5]])                   # (b, s), the same on both
+    ...     h = emb(ids)                                         # (1, 4, 4) on both
+    ...     same = torch.equal(h, dense(ids))
+    ...     pg.close()
+    ...     return tuple(emb.weight.shape), tuple(h.shape), same
+    >>> collectives.spawn(embed, 2)
+    [((5, 4), (1, 4, 4), True), ((5, 4), (1, 4, 4), True)]
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group: Any, *,
