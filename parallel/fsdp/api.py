@@ -2,16 +2,35 @@
 optimizer state (ZeRO stage 3; Rajbhandari et al. 2020, arXiv 1910.02054), and gathers a
 unit's parameters only while the unit computes.
 
-Two ranks::
+Two ranks, each with half of a batch, take the step one process takes on all of it:
 
-    pg = collectives.init_process_group()
-    model = FSDP(net, pg, wrap=Block)           # each Block a unit, the rest the root's
-    opt = torch.optim.Adam(model.parameters())  # only this rank's shards: sharded state
-    for x, y in batches:                        # each rank its own batch
-        loss = F.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()                         # each shard's .grad: the ranks' average
-        opt.step()
+>>> import torch, collectives
+>>> import torch.nn.functional as F
+>>> from torch import nn
+>>> from parallel import FSDP
+>>> def net():
+...     torch.manual_seed(0)
+...     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+>>> def step():
+...     pg = collectives.init_process_group()
+...     model = FSDP(net(), pg, wrap=nn.Linear)             # each Linear a unit
+...     opt = torch.optim.SGD(model.parameters(), lr=0.1)   # only this rank's shards
+...     torch.manual_seed(1)
+...     x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))  # the same draw on both...
+...     mine = slice(2 * pg.rank, 2 * pg.rank + 2)           # ...each rank its half
+...     loss = F.cross_entropy(model(x[mine]), y[mine])
+...     opt.zero_grad()
+...     loss.backward()                   # each shard's .grad: the ranks' average
+...     opt.step()
+...     state = model.full_state_dict()
+...     pg.close()
+...     dense = net()                     # one process, the whole batch
+...     dense_opt = torch.optim.SGD(dense.parameters(), lr=0.1)
+...     F.cross_entropy(dense(x), y).backward()
+...     dense_opt.step()
+...     return all(torch.allclose(state[k], v, atol=1e-6) for k, v in dense.state_dict().items())
+>>> collectives.spawn(step, 2)
+[True, True]
 
 One step of unit ``k`` (see :mod:`.unit` for the mechanics, :mod:`.prefetch` for the
 order every rank keeps): its forward pre-hook waits for its all_gather (started while
