@@ -17,10 +17,11 @@ busbw = bytes x 2(n-1)/n / time, n the world size (the traffic of a ring on ever
 nccl-tests' definition). gloo is driven through torch.distributed directly (no wrapper of
 ours in the way); float32 torch tensors throughout.
 
-"link use" is how well a case fills the first host's link: the payload it sent there (the
-interface's bytes, less one frame's headers per packet the kernel handed it) over the bytes
-the link's tbf charged for them (headers counted once per 1500-byte frame), over all its
-rounds.
+"payload share" is how much of what the first host's link carried for a case was the
+case's data: the payload it sent there (the interface's bytes, less one frame's headers
+per packet the kernel handed it) over the bytes the link's tbf charged for them (headers
+counted once per 1500-byte frame), over all its rounds. It is the transport's header
+cost, not how busy it kept the link: the busbw says that.
 """
 
 from __future__ import annotations
@@ -171,7 +172,8 @@ def main(args: argparse.Namespace) -> int:
         bw = {i: _busbw(s, med[i][s], n) for i in impls}
         print(f"{s // MIB:>5} MiB" + "".join(f"{bw[i]:>12.3f}" for i in impls)
               + "".join(f"{bw[a] / bw[b]:>11.2f}x" for a, b in ratios))
-    print("link use: " + ", ".join(f"{i} {link[i][0] / max(1, link[i][1]):.1%}" for i in impls))
+    print("payload share of the link's bytes: "
+          + ", ".join(f"{i} {link[i][0] / max(1, link[i][1]):.1%}" for i in impls))
     if ddp:
         wall = {i: statistics.median(r["wall_s"] for r in ddp[i]) for i in ddp}
         print(f"\nexamples/ddp.py --epochs {args.ddp_epochs}, {n} ranks, training loop "

@@ -30,8 +30,9 @@ class CollectiveTimeout(CollectiveError, TimeoutError):
 
 
 class PeerError(CollectiveError):
-    """A peer rank died, hung up or reported a failure. ``peer``: its rank in the
-    group of the call (-1: unknown)."""
+    """A peer rank died, hung up or reported a failure. ``peer``: that rank (-1:
+    unknown), numbered as in the group whose transport raised the error (the call's own
+    group on shm, zmq and hier's collectives)."""
 
     def __init__(self, message: str, *, peer: int = -1) -> None:
         super().__init__(message)

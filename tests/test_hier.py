@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -178,12 +179,20 @@ def _split_sums(backend: str = "shm") -> list:
     assert pg.backend == "hier", pg.backend
     rng = np.random.default_rng(pg.rank)
     results = []
-    for count in (16385, 262147, (3 << 20) // 4 + 5):
-        a = rng.standard_normal(count).astype(np.float32)
+    big = (3 << 20) // 4 + 5
+    for count, dtype, op in ((16385, np.float32, ReduceOp.SUM),
+                             (262147, np.float32, ReduceOp.SUM),
+                             (big, np.float32, ReduceOp.SUM),
+                             (big, np.float32, ReduceOp.MIN),
+                             (big, ml_dtypes.bfloat16, ReduceOp.SUM)):
+        a = rng.standard_normal(count).astype(dtype)
         inputs = pg.all_gather_object(a.copy())
-        pg.all_reduce(a)
-        want = np.stack(inputs).astype(np.float64).sum(0)
-        results.append((count, bool(np.allclose(a, want, rtol=1e-4, atol=1e-4)),
+        pg.all_reduce(a, op)
+        exact = np.stack(inputs).astype(np.float64)
+        want = exact.min(0) if op is ReduceOp.MIN else exact.sum(0)
+        tol = 5e-2 if dtype is ml_dtypes.bfloat16 else 1e-4
+        results.append((count, bool(np.allclose(a.astype(np.float64), want, rtol=tol,
+                                                atol=tol)),
                         _identical_everywhere(pg, a)))
     pg.close()
     return results
@@ -202,6 +211,14 @@ def test_three_hosts_run_a_column_all_reduce_per_piece(monkeypatch):
     monkeypatch.setenv("COLLECTIVES_HOST", "a,a,b,b,c,c")
     results = collectives.spawn(_split_sums, 6, backend="shm", timeout=120)
     _check_sums(results)
+
+
+@pytest.mark.timeout(300)
+def test_the_most_pieces(monkeypatch):
+    # 4 KiB pieces: 1 MiB and more runs in MAX_PIECES (256) pieces, each a few KiB
+    monkeypatch.setenv("COLLECTIVES_HOST", "h0,h0,h1,h1")
+    monkeypatch.setenv("COLLECTIVES_HIER_PIECE_BYTES", "4096")
+    _check_sums(collectives.spawn(_split_sums, 4, backend="shm", timeout=120))
 
 
 @pytest.mark.timeout(300)
@@ -246,6 +263,9 @@ def test_a_rank_killed_on_the_other_host_is_named_and_nobody_hangs():
     for r in (0, 3):
         assert outcomes[r]["peer"] == victim and "rank 1" in outcomes[r]["message"], \
             f"rank {r}: {outcomes[r]}"
+    # rank 2 is told by a survivor that left the call: its column peer (rank 0, through
+    # the network) or its host peer (rank 3), named in this group's numbering
+    assert outcomes[2]["peer"] in (0, 3), f"rank 2: {outcomes[2]}"
     print("\n".join(f"rank {r}: {outcomes[r]}" for r in (0, 2, 3)))
     assert not world.leftovers, f"left behind: {world.leftovers}"
 

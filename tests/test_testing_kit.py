@@ -435,6 +435,8 @@ def test_forked_workers_take_the_callers_environment_not_the_servers(monkeypatch
     # A fork server keeps the environment it started with; a worker forked from it must
     # see what the caller has now (a variable set since, one removed since), as a spawned
     # worker does: else a test's COLLECTIVES_HOST outlives it in every later forked world.
+    # (KIT_MARK_NEW, set after the server started, tells in any case; KIT_MARK_GONE only
+    # where this test started the server.)
     from collectives import warm_start
     monkeypatch.setenv("KIT_MARK_GONE", "1")
     warm_start.context("forkserver")            # the server runs (with KIT_MARK_GONE, if new)

@@ -9,8 +9,9 @@ the flat buffers of the call.
 
 Reduction order, so that every rank holds the same bits: an element is reduced exactly
 once, by one column (every rank of the host first combines in the host, in rank order;
-the column then combines the hosts' partial results with its own all_reduce, which leaves
-identical values on its members), and then only copied. AVG runs as SUM and divides once,
+the column then combines the hosts' partial results, in host order on each of its
+members: between two hosts each folds the other's shard in itself, with more hosts the
+column's all_reduce does), and then only copied. AVG runs as SUM and divides once,
 at the end (:func:`collectives.reduce_op.finish`), by the whole group's size.
 
 all_reduce of ``n`` elements, ``H`` hosts of ``L`` ranks (even hosts, from
@@ -19,7 +20,8 @@ all_reduce of ``n`` elements, ``H`` hosts of ``L`` ranks (even hosts, from
     host 0: r0 r1          host 1: r2 r3
     1. reduce-scatter in each host:       r0,r2 hold shard 0 of their host's sum;
                                           r1,r3 hold shard 1 (n/L elements each)
-    2. all_reduce of each shard across hosts, column by column, all at once:
+    2. each shard summed across hosts, column by column, all at once (two hosts: the
+       pair swap their shards and each adds; more: the column's all_reduce):
           column 0: r0 <-> r2 (shard 0)     column 1: r1 <-> r3 (shard 1)
     3. all-gather in each host:           every rank holds the whole sum
 
@@ -112,9 +114,9 @@ def _leader_all_reduce(b: TwoLevel, a: np.ndarray, op: ReduceOp) -> None:
 
 #: A split all_reduce runs in at most this many pieces.
 MAX_PIECES = 256
-#: ... and hands this many to the network before it waits for the first of them: a
-#: pause of this rank (the host's steps, a busy core) is covered by the pieces queued
-#: behind the one on the wire, where one piece queued would drain in a few ms.
+#: ... and keeps this many more pieces on their way while it waits for one: a pause of
+#: this rank (the host's steps, a busy core) is covered by the pieces queued behind the
+#: one on the wire, where one piece queued would drain in a few ms.
 AHEAD = 4
 
 
@@ -125,9 +127,9 @@ def pieces(b: TwoLevel, nbytes: int) -> int:
 
 
 def _split_all_reduce(b: TwoLevel, a: np.ndarray, op: ReduceOp) -> None:
-    """Pipelined: pieces p to p+AHEAD-1 are on their way between hosts while this thread
-    all-gathers piece p-1 and reduce-scatters the next in the host, so the network is
-    never idle for the host's steps (the same order of calls on every rank). Two hosts stream the
+    """Pipelined: pieces q to q+AHEAD are on their way between hosts while this thread
+    waits for piece q, all-gathers it in the host and reduce-scatters the next, so the
+    network is never idle for the host's steps (the same order of calls on every rank). Two hosts stream the
     shards (:func:`_exchange_pieces`); more run a column all_reduce per piece."""
     L = len(b.topo.local_ranks)
     n = a.size
@@ -173,7 +175,11 @@ def _exchange_pieces(b: TwoLevel, shards: np.ndarray, s: int, count: int, op: Re
     soon as the host has reduced it, so the sends queue back to back and the link never
     waits for a piece's fold or for a handshake between pieces (a column all_reduce per
     piece would); the fold is ``host 0's op host 1's`` on both, so both hold the same
-    bits. Yields ``(q, the summed shard of piece q)`` in order."""
+    bits. Yields ``(q, the summed shard of piece q)`` in order.
+
+    A failure (here or in the caller's step between two yields) leaves pieces posted;
+    the backend then aborts the column (``HierBackend._break``), which fails them, and
+    the group is unusable after it, so no later call meets their messages."""
     first = b.column_index == 0
     theirs = b.scratch("theirs", s * count, shards.dtype)
     posted = []

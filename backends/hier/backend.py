@@ -118,17 +118,19 @@ class HierBackend(Backend):
     def column_exchange(self, send: np.ndarray, recv: np.ndarray,
                         tag: int) -> tuple[Work, Work]:
         """Two hosts: start receiving ``recv`` from this column's other rank and sending
-        it ``send``, both with ``tag`` (the column's point to point: an abort of the
-        column fails them, as it fails its collectives); wait with :meth:`column_wait`.
-        Returns (the receive, the send).
+        it ``send``, both with ``tag`` (the column group's point to point, so the column's
+        flight record shows each piece, and an abort of the column fails them as it fails
+        its collectives); wait with :meth:`column_wait`. Returns (the receive, the send).
 
         The column group is this backend's own, so its whole tag space is; a pair's
         messages with one tag arrive in order, call after call, so a small tag (the
         piece) tells them apart and fits every MPI's ``TAG_UB`` (at least 32767)."""
-        transport = self.column.transport
+        if len(self.column_ranks) != 2:
+            raise RuntimeError(f"{self.describe_call('all_reduce', -1)}: column_exchange "
+                               f"needs a column of two hosts, not {self.column_ranks}")
         peer = 1 - self.column_index
         try:
-            return transport.irecv(recv, peer, tag), transport.isend(send, peer, tag)
+            return self.column.irecv(recv, peer, tag), self.column.isend(send, peer, tag)
         except CollectiveError as exc:
             raise self._lift_column(exc) from exc
 
@@ -315,8 +317,10 @@ class HierBackend(Backend):
         leader = ("one rank per host: reduce in the host (shm), all_reduce among the "
                   "hosts' leaders, broadcast in the host")
         even, split = self.topo.even, self.topo.even and len(self.topo.local_ranks) > 1
-        split_text = ("reduce-scatter in the host, all_reduce of each shard across hosts "
-                      "by its column, all-gather in the host")
+        across = ("each shard streamed to the other host by its column and folded"
+                  if len(self.topo.hosts) == 2 else "each shard all-reduced across hosts "
+                  "by its column")
+        split_text = f"reduce-scatter in the host, {across}, all-gather in the host"
         default = "send/recv algorithms over the direct routes (shm in a host, else the network)"
         return PathTable({
             "all_reduce": ([Path(leader, self.split_bytes, settings.HIER_SPLIT_BYTES.name),

@@ -373,5 +373,6 @@ def group_error(gs: GroupState, message: str) -> CollectiveError:
     group, because of a failure of its own), else ``CollectiveMismatch`` (the group's
     calls disagree, or this rank aborted it)."""
     if gs.error_peer >= 0:
-        return PeerError(message, peer=rank_in_group(gs, gs.error_peer))
+        peer = gs.error_peer
+        return PeerError(message, peer=gs.members.index(peer) if peer in gs.members else -1)
     return CollectiveMismatch(message)
