@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from collectives.bench.cases import busbw_factor  # noqa: E402
+from collectives.bench.cases import bandwidths  # noqa: E402
 from collectives.cli_flags import (add_flag, flag_parser, nonnegative_int,  # noqa: E402
                                    positive_int)
 from collectives.testing.hosts import HostRig, parse_rate, rig_unavailable  # noqa: E402
@@ -101,7 +101,7 @@ def _link_counters(rig: HostRig) -> tuple[int, int, int]:
 
 
 def _busbw(nbytes: int, seconds: float, n: int) -> float:
-    return nbytes / seconds / 1e9 * busbw_factor("all_reduce", n)
+    return bandwidths("all_reduce", nbytes, n, seconds)[1]
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -103,10 +103,6 @@ class Recorder:
         if len(rec) > HOOK:   # a traced group's record: its end goes into the trace too
             rec[HOOK].ended(rec)
 
-    def raw(self) -> list:
-        """The kept records as they are (lists and tuples), oldest first."""
-        return list(self._ring)
-
     def records(self) -> list[dict]:
         """The kept operations as plain dicts (JSON-ready), oldest first."""
         return [as_dict(rec) for rec in list(self._ring)]

@@ -30,8 +30,18 @@ def file_text(path: str) -> str:
 def namespace(kind: str) -> str:
     """This process's namespace of ``kind`` (``net``, ``mnt``, ``uts``) as an inode
     number, equal for processes in the same one ('' where /proc does not tell)."""
+    return _stat_field(f"/proc/self/ns/{kind}", "st_ino")
+
+
+def device(path: str) -> str:
+    """The device number of the file system ``path`` is on ('' where it cannot be read):
+    ``/dev/shm``'s tells a container's private one from the machine's."""
+    return _stat_field(path, "st_dev")
+
+
+def _stat_field(path: str, field: str) -> str:
     try:
-        return str(os.stat(f"/proc/self/ns/{kind}").st_ino)
+        return str(getattr(os.stat(path), field))
     except OSError:
         return ""
 

@@ -64,6 +64,11 @@ def job_id(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
     True
     """
     env = os.environ if env is None else env
+    return _launcher_job_id(env) or _slurm_job_id(env)
+
+
+def _launcher_job_id(env: Mapping[str, str]) -> Optional[str]:
+    """The job id in the variables of ``collectives.spawn``, torchrun and MPI launchers."""
     for name in (settings.JOB_ID.name, "TORCHELASTIC_RUN_ID", "OMPI_MCA_ess_base_jobid",
                  "PMIX_NAMESPACE", "PMI_KVSNAME"):
         value = env.get(name)
@@ -76,6 +81,11 @@ def job_id(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
         # MPICH's Hydra exports no job id; the ranks of one host share their parent
         # (the launcher's proxy), which no other job has.
         return f"mpi-ppid={os.getppid()}"
+    return None
+
+
+def _slurm_job_id(env: Mapping[str, str]) -> Optional[str]:
+    """The job id of the srun step this process is a task of, if any."""
     try:
         task = slurm_task(env)
     except ValueError:  # detect_rendezvous says what is wrong, where it matters
@@ -93,11 +103,12 @@ def detect_rendezvous(rank: Optional[int] = None, world_size: Optional[int] = No
     env = os.environ if env is None else env
     addr = env.get("MASTER_ADDR") or None
     port = _int(env, "MASTER_PORT")
-    job = job_id(env)
+    job = _launcher_job_id(env)   # (a task's own is added below: its variables parsed once)
     if rank is not None or world_size is not None:
         if rank is None or world_size is None:
             raise ValueError("init_process_group: give both `rank` and `world_size`, or neither")
         launcher = "explicit"
+        job = job or _slurm_job_id(env)
         local_rank = _int(env, "LOCAL_RANK") if _int(env, "RANK") == rank else None
         local_size = _int(env, "LOCAL_WORLD_SIZE")
     elif _int(env, "RANK") is not None:
@@ -105,6 +116,7 @@ def detect_rendezvous(rank: Optional[int] = None, world_size: Optional[int] = No
         if world_size is None:
             raise ValueError("RANK is set but WORLD_SIZE is not; a launcher sets both")
         launcher = "spawn" if settings.SPAWNED.get(env) else "torchrun"
+        job = job or _slurm_job_id(env)
         local_rank = _int(env, "LOCAL_RANK")
         local_size = _int(env, "LOCAL_WORLD_SIZE")
     elif under_mpi_launcher(env):
@@ -120,7 +132,7 @@ def detect_rendezvous(rank: Optional[int] = None, world_size: Optional[int] = No
         local_rank, local_size = task.local_rank, task.local_world_size
         addr = addr or task.master_addr
         port = task.master_port if port is None else port
-        job = job or (f"master={addr}:{port}" if addr and port else None)
+        job = job or task.job_id or (f"master={addr}:{port}" if addr and port else None)
     else:
         rank, world_size, launcher = 0, 1, "single"
         local_rank = local_size = None

@@ -1,4 +1,5 @@
-"""What outlives a call: whether a process is alive, and the groups to close at exit.
+"""What outlives a call: whether a process is alive, what happens to it when its parent
+dies, and the groups to close at exit.
 
 Backends whose libraries run threads of their own (MPI, torch's gloo and NCCL) must close
 their groups before the interpreter finalises: MPI_Finalize (mpi4py's, after the atexit
@@ -15,9 +16,15 @@ Two ranks::
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
+import sys
 import weakref
 from typing import Any
+
+#: prctl options (linux/prctl.h).
+PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
 
 _OPEN: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
@@ -70,3 +77,14 @@ def process_alive(pid: int) -> bool:
         return True  # no /proc (not Linux): signal 0 said it exists
     end = stat.rfind(b")")
     return stat[end + 2:end + 3] not in (b"Z", b"X", b"x")
+
+
+def prctl(option: int, arg: Any) -> None:
+    """Linux's ``prctl(option, arg)`` for this process (``PR_SET_PDEATHSIG``: the signal
+    it gets when its parent dies; ``PR_SET_NAME``: its name); best effort, and nothing
+    off Linux."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0)
+        except OSError:
+            pass

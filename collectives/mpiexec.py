@@ -4,12 +4,12 @@ benchmark and the scripts in ``benchmarks/``, which re-launch themselves under i
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import os
 import shutil
 import signal
-import sys
+
+from . import lifetime
 
 
 class MpiexecUnavailable(RuntimeError):
@@ -38,8 +38,4 @@ def own_session_dying_with_parent() -> None:
     (so that one signal to the group reaches every rank) and SIGTERM when the launching
     process dies (no orphaned jobs)."""
     os.setsid()
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PDEATHSIG
-        except OSError:
-            pass
+    lifetime.prctl(lifetime.PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -20,13 +20,12 @@ import pickle
 import secrets
 import signal
 import socket
-import sys
 import threading
 import time
 import traceback
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
-from . import flight_signals, settings, warm_start
+from . import flight_signals, lifetime, settings, warm_start
 from .errors import CollectiveError, CollectiveTimeout, PeerError
 from .validation import timeout_seconds
 from .outer_launcher import refuse_under_launcher
@@ -120,17 +119,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def die_with_parent() -> None:
     """Ask Linux to SIGKILL this rank if the launching process dies (no orphans)."""
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
+    lifetime.prctl(lifetime.PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 #: Prefix of a rank's process name (``/proc/PID/comm``): ``coll-rank3`` is rank 3.
 RANK_PROCESS_PREFIX = "coll-rank"
-_PR_SET_NAME = 15
 
 
 def name_rank_process(rank: int) -> None:
@@ -142,14 +135,8 @@ def name_rank_process(rank: int) -> None:
     was executed, which has no ``RANK``, and a process cannot grow that block. The name
     it can set. Linux only; elsewhere nothing happens.
     """
-    if not sys.platform.startswith("linux"):
-        return
     name = f"{RANK_PROCESS_PREFIX}{rank}".encode()[:15]
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
-    except OSError:
-        pass
+    lifetime.prctl(lifetime.PR_SET_NAME, ctypes.c_char_p(name))
 
 
 def _rank_main(method: str, fn: Callable[..., Any], args: tuple,

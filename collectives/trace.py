@@ -52,7 +52,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from . import buffers, flight, settings
-from .trace_merge import FORMAT, write_merged
+from .trace_merge import FORMAT, rank_files, write_merged
 
 __all__ = ["Tracer", "active", "span", "tracing", "to_file", "rank_file"]
 
@@ -189,11 +189,9 @@ class TracedRecorder(flight.Recorder):
 
     def __init__(self, tracer: Tracer, group: Any, label: Optional[str],
                  previous: Optional[flight.Recorder]) -> None:
-        kept = previous.raw() if previous is not None else []
         super().__init__(previous.capacity if previous is not None else 1)
-        for rec in kept:
-            self._ring.append(rec)
-        if previous is not None:     # a failure already dumped stays named
+        if previous is not None:     # its records, and a failure already dumped, stay
+            self._ring.extend(previous._ring)
             self.last_error = previous.last_error
         self.tracer, self.label, self.group_name = tracer, label, group._flight_name
         self.append = self._append   # (the base class binds the ring's append)
@@ -265,12 +263,10 @@ class _Hook:
 
 
 def _remove_stale(directory: str, size: int) -> None:
-    for name in os.listdir(directory):
-        if name.startswith("rank") and name.endswith(".jsonl"):
-            number = name[len("rank"):-len(".jsonl")]
-            if number.isdigit() and int(number) >= size:
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(directory, name))
+    for rank, path in rank_files(directory).items():
+        if rank >= size:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 def to_file(group: Any, path: Optional[str]) -> Tracer:

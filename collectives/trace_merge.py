@@ -21,8 +21,6 @@ Exit status 0 when written, 2 when ``DIR`` holds no trace file.
 
 from __future__ import annotations
 
-import argparse
-import glob
 import json
 import os
 import re
@@ -107,6 +105,14 @@ def _close_unfinished(events: list[dict]) -> list[dict]:
              "args": {"unfinished": True}} for b in open_.values()]
 
 
+def rank_files(directory: str) -> dict[int, str]:
+    """The ``rank<r>.jsonl`` files in ``directory`` (none if it is no folder), by rank."""
+    if not os.path.isdir(directory):
+        return {}
+    found = ((_RANK_FILE.fullmatch(name), name) for name in os.listdir(directory))
+    return {int(m.group(1)): os.path.join(directory, name) for m, name in found if m}
+
+
 def merge(directory: str) -> dict:
     """Every ``rank<r>.jsonl`` under ``directory`` as one Chrome trace (a dict to dump as
     JSON). ``ValueError`` when there is none.
@@ -114,11 +120,7 @@ def merge(directory: str) -> dict:
     Two ranks traced into ``traces/``: ``merge("traces/")["traceEvents"]`` holds both
     ranks' events, rows named ``rank 0`` and ``rank 1``.
     """
-    ranks: dict[int, tuple[dict, list[dict]]] = {}
-    for path in glob.glob(os.path.join(directory, "rank*.jsonl")):
-        match = _RANK_FILE.search(os.path.basename(path))
-        if match:
-            ranks[int(match.group(1))] = read_rank_file(path)
+    ranks = {rank: read_rank_file(path) for rank, path in rank_files(directory).items()}
     if not ranks:
         raise ValueError(f"no trace files (rank<r>.jsonl) in {directory}")
     offsets = clock_offsets(ranks)
@@ -162,6 +164,8 @@ def main(argv: Optional[Sequence[str]] = None, *,
          prog: str = "python -m collectives.trace_merge") -> int:
     """The command line (``collectives trace merge DIR [-o FILE]``); returns the exit
     status."""
+    import argparse   # (not at the top: collectives.trace, imported by every group, imports
+    #                     this module for the merge)
     parser = argparse.ArgumentParser(prog=prog, description="Tools for the traces that "
                                      f"{settings.TRACE.name}=DIR (or collectives.trace) "
                                      "writes.")

@@ -21,14 +21,14 @@ to shm.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from typing import Optional
 
 from collectives import logs, settings
 from collectives.group import ProcessGroup
 from collectives.hosts import listed_hosts
 from collectives.launch import Rendezvous
-from collectives.registry import get_backend
+from collectives.registry import create_backend, get_backend
+from collectives.shm_names import job_digest
 
 from .backend import HierBackend
 from .topology import Topology, host_key
@@ -74,9 +74,9 @@ def create(rendezvous: Rendezvous, timeout: float) -> HierBackend:
 
 
 def _network(name: str, rendezvous: Rendezvous, timeout: float) -> ProcessGroup:
-    factory = get_backend(name, where="init_process_group(backend='hier')",
-                          what=f"{settings.HIER_NET.name}")
-    return ProcessGroup(factory(rendezvous, timeout), name="hier.net")
+    return ProcessGroup(create_backend(name, rendezvous, timeout,
+                                       where="init_process_group(backend='hier')",
+                                       what=settings.HIER_NET.name), name="hier.net")
 
 
 def _host_group(topo: Topology, rendezvous: Rendezvous, timeout: float) -> ProcessGroup:
@@ -85,6 +85,6 @@ def _host_group(topo: Topology, rendezvous: Rendezvous, timeout: float) -> Proce
     local_rank, local_size = topo.local_index, len(topo.local_ranks)
     here = dataclasses.replace(rendezvous, rank=local_rank, world_size=local_size,
                                local_rank=local_rank, local_world_size=local_size)
-    digest = hashlib.sha256(topo.names[topo.host_index].encode()).hexdigest()[:12]
+    digest = job_digest(topo.names[topo.host_index])
     made = get_backend("shm")(here, timeout, group=f"hier-{digest}")
     return ProcessGroup(made, name=f"hier.host{topo.host_index}")

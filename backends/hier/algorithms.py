@@ -87,8 +87,7 @@ def _inner(op: ReduceOp) -> ReduceOp:
 
 def splits(b: TwoLevel, a: np.ndarray) -> bool:
     """Whether all_reduce of ``a`` takes the split path (every rank drives a shard)."""
-    t = b.topo
-    return t.even and len(t.local_ranks) > 1 and a.nbytes >= b.split_bytes
+    return b.topo.splittable and a.nbytes >= b.split_bytes
 
 
 def all_reduce(b: TwoLevel, a: np.ndarray, op: ReduceOp) -> None:

@@ -57,8 +57,8 @@ class HierBackend(Backend):
 
     def __init__(self, topo: Topology, local: ProcessGroup, net: Optional[ProcessGroup],
                  timeout: float, net_name: str) -> None:
-        self._parts: list[ProcessGroup] = []
-        super().__init__(topo.rank, topo.size, timeout)
+        self._parts = [p for p in (local, net) if p is not None]
+        super().__init__(topo.rank, topo.size, timeout)   # (its timeout reaches the parts)
         self.topo = topo
         self.local = local
         self.net = net
@@ -74,8 +74,6 @@ class HierBackend(Backend):
             self.column_ranks = topo.column(topo.local_index if topo.even else 0)
             self.column = net.new_group(self.column_ranks)
             self.column_index = self.column_ranks.index(topo.rank)
-        self._parts = [p for p in (local, net) if p is not None]
-        self.timeout = timeout   # (now down to the parts)
         here = topo.host_index
         self._routes = [(local.transport, topo.local_of(r)) if topo.host_of(r) == here
                         else (net.transport, r) for r in range(topo.size)]
@@ -125,9 +123,6 @@ class HierBackend(Backend):
         The column group is this backend's own, so its whole tag space is; a pair's
         messages with one tag arrive in order, call after call, so a small tag (the
         piece) tells them apart and fits every MPI's ``TAG_UB`` (at least 32767)."""
-        if len(self.column_ranks) != 2:
-            raise RuntimeError(f"{self.describe_call('all_reduce', -1)}: column_exchange "
-                               f"needs a column of two hosts, not {self.column_ranks}")
         peer = 1 - self.column_index
         try:
             return self.column.irecv(recv, peer, tag), self.column.isend(send, peer, tag)
@@ -316,7 +311,7 @@ class HierBackend(Backend):
             return self.local.transport.paths()
         leader = ("one rank per host: reduce in the host (shm), all_reduce among the "
                   "hosts' leaders, broadcast in the host")
-        even, split = self.topo.even, self.topo.even and len(self.topo.local_ranks) > 1
+        even, split = self.topo.even, self.topo.splittable
         across = ("each shard streamed to the other host by its column and folded"
                   if len(self.topo.hosts) == 2 else "each shard all-reduced across hosts "
                   "by its column")

@@ -36,7 +36,6 @@ Two ranks, one per virtual host (``COLLECTIVES_HOST=a,b``)::
 from __future__ import annotations
 
 import hashlib
-import os
 import socket
 from dataclasses import dataclass
 from functools import cached_property
@@ -45,16 +44,9 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 from collectives import settings
-from collectives.hosts import machine_identity
+from collectives.hosts import device, machine_identity
 
 __all__ = ["Topology", "host_key"]
-
-
-def _device(path: str) -> str:
-    try:
-        return str(os.stat(path).st_dev)
-    except OSError:
-        return ""
 
 
 def host_key(env: Optional[Mapping[str, str]] = None) -> str:
@@ -68,7 +60,7 @@ def host_key(env: Optional[Mapping[str, str]] = None) -> str:
     named = settings.HOST.get(env)
     if named is not None and "," not in named:
         return named.strip()
-    parts = [*machine_identity(), _device("/dev/shm")]
+    parts = [*machine_identity(), device("/dev/shm")]
     return socket.gethostname() + "#" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
@@ -128,6 +120,12 @@ class Topology:
     def even(self) -> bool:
         """Whether every host has the same number of ranks."""
         return len({len(h) for h in self.hosts}) == 1
+
+    @cached_property
+    def splittable(self) -> bool:
+        """Whether a message can be split among a host's ranks (even hosts of more than
+        one rank: every local index has a column)."""
+        return self.even and len(self.local_ranks) > 1
 
     def column(self, i: int) -> tuple[int, ...]:
         """The ranks with local index ``i``, one per host that has one, in rank order."""

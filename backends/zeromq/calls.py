@@ -110,6 +110,10 @@ class GroupState:
         self.seen: dict[int, wire.Header] = {}         # src -> its message of highest seq
         self.posted_from: dict[int, set] = {}          # src -> posted collective Recvs
 
+    def group_rank(self, world: int) -> int:
+        """The group rank of world rank ``world``; -1 for a rank outside the group."""
+        return self.members.index(world) if world in self.members else -1
+
 
 class RecvWork(Work):
     """A posted receive, waited for through the engine's

@@ -55,8 +55,7 @@ class Matcher:
             gs = self._groups[gid] = GroupState(gid, members)
             early = self._early_aborts.pop(gid, None)
             if early is not None:  # a member failed in it before this rank created it
-                gs.error = f"rank {rank_in_group(gs, early[0])} reported: {early[1]}"
-                gs.error_peer = early[0] if early[2] else -1
+                self._reported(gs, *early)
             for src, msg in self._pending.unexpected_in(gid):  # what members sent before
                 seen = gs.seen.get(src)
                 if msg.header.seq != wire.NO_SEQ and (seen is None or msg.header.seq > seen.seq):
@@ -282,10 +281,15 @@ class Matcher:
         with self._lock:
             gs = self._groups.get(gid)
             if gs is not None:
-                self._fail_group(gs, f"rank {rank_in_group(gs, peer)} reported: {text}",
-                                 forward=False, peer=peer if left else -1)
+                self._reported(gs, peer, text, left)
             elif len(self._early_aborts) < 1024:  # a group this rank has yet to create
                 self._early_aborts[gid] = (peer, text, left)
+
+    def _reported(self, gs: GroupState, peer: int, text: str, left: bool) -> None:
+        """Lock held: member ``peer`` reported that it failed group ``gs`` (see
+        :meth:`on_abort`)."""
+        self._fail_group(gs, f"rank {rank_in_group(gs, peer)} reported: {text}",
+                         forward=False, peer=peer if left else -1)
 
     def _fail_group(self, gs: GroupState, problem: str, forward: bool, peer: int = -1,
                     left: bool = False) -> None:
@@ -373,6 +377,5 @@ def group_error(gs: GroupState, message: str) -> CollectiveError:
     group, because of a failure of its own), else ``CollectiveMismatch`` (the group's
     calls disagree, or this rank aborted it)."""
     if gs.error_peer >= 0:
-        peer = gs.error_peer
-        return PeerError(message, peer=gs.members.index(peer) if peer in gs.members else -1)
+        return PeerError(message, peer=gs.group_rank(gs.error_peer))
     return CollectiveMismatch(message)

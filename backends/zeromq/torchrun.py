@@ -47,6 +47,7 @@ def own_port(rdzv: Any, env: Mapping[str, str], timeout: float) -> Any:
     if not agent_holds_port(rdzv, env):
         return rdzv
     import torch.distributed as dist   # torchrun: torch is there
+    from backends.torchdist.meeting import first_line
     from collectives.spawn import free_port
 
     where = _where(rdzv.rank, rdzv.world_size, "zmq init")
@@ -64,7 +65,7 @@ def own_port(rdzv: Any, env: Mapping[str, str], timeout: float) -> Any:
             store.set(key, str(free_port(addr)))
         chosen = int(store.get(key))   # waits for rank 0, at most `timeout`
     except RuntimeError as exc:
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        text = first_line(exc)
         if "timeout" in text.lower() or "timed out" in text.lower():
             raise CollectiveTimeout(f"{where}: rank 0 did not publish its rendezvous port in "
                                     f"torchrun's store at {addr}:{port} within {timeout:g} s",

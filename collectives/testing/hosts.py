@@ -328,11 +328,13 @@ class HostRig:
         os.chmod(path, 0o755)
         return path
 
-    def hostfile(self, slots: int, path: Optional[str] = None) -> str:
-        """Write an MPICH host file (``host0:SLOTS`` per line); returns its path."""
+    def hostfile(self, slots: int, path: Optional[str] = None,
+                 hosts: Optional[Sequence[str]] = None) -> str:
+        """Write an MPICH host file (``host0:SLOTS`` per line, for ``hosts``: default all
+        of them); returns its path."""
         path = path or os.path.join(self._dir, "hostfile")
         with open(path, "w") as f:
-            f.writelines(f"{n}:{slots}\n" for n in self.names)
+            f.writelines(f"{n}:{slots}\n" for n in (self.names if hosts is None else hosts))
         return path
 
     def processes(self) -> list[int]:

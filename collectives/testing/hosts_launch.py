@@ -122,9 +122,7 @@ def run_mpiexec(rig: HostRig, argv: Sequence[str], *, per_host: int = 2,
     reaching the others through :meth:`HostRig.launcher_script` as Hydra's ssh."""
     hosts = list(rig.names if hosts is None else hosts)
     with tempfile.TemporaryDirectory(prefix="collectives-rig-job-") as folder:
-        hostfile = os.path.join(folder, "hostfile")
-        with open(hostfile, "w") as f:
-            f.writelines(f"{h}:{per_host}\n" for h in hosts)
+        hostfile = rig.hostfile(per_host, os.path.join(folder, "hostfile"), hosts)
         cmd = ["mpiexec", "-launcher", "ssh", "-launcher-exec", rig.launcher_script(),
                "-f", hostfile, "-n", str(per_host * len(hosts)), "-ppn", str(per_host),
                *argv]
