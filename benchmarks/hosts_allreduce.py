@@ -6,6 +6,12 @@ hier and over flat zmq on the same rig. Needs root.
     python benchmarks/hosts_allreduce.py                        # 2 hosts x 2 ranks, 1 Gbit/s
     python benchmarks/hosts_allreduce.py --sizes 1M,4M,16M,64M --repeat 3 --json hosts.json
     python benchmarks/hosts_allreduce.py --rate 10gbit --ddp-epochs 0   # all_reduce only
+    python benchmarks/hosts_allreduce.py --cores shared         # hosts share every core
+
+``--cores split`` (the default) gives each host its own share of this machine's cores, as
+separate machines have; ``shared`` lets every host's ranks run on every core, so the hosts
+compete for them and each rank sees cores that the other hosts also use (shm's waits, which
+spin and yield longer with a core per rank, then hold cores another host needs).
 
 Every rank of a case is started fresh (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR``... as torchrun sets them), ranks 0..N-1 on the first host, the next N on the
@@ -109,6 +115,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hosts", type=positive_int, default=2, help="emulated hosts")
     p.add_argument("--per-host", type=positive_int, default=2, help="ranks per host")
     p.add_argument("--rate", default="1gbit", help="each host's link (tc syntax or bit/s)")
+    p.add_argument("--cores", choices=("split", "shared"), default="split",
+                   help="each host its own share of the cores, or all hosts on all cores")
     add_flag(p, "--sizes", default="1M,4M,16M,64M")
     add_flag(p, "--backend", default=",".join(IMPLS), several=True,
              help="what to compare: backends of ours, and gloo driven through "
@@ -138,10 +146,11 @@ def main(args: argparse.Namespace) -> int:
     load = os.getloadavg()
     started = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
     print(f"# {args.hosts} hosts x {args.per_host} ranks, links {args.rate} "
-          f"({parse_rate(args.rate) / 1e9:g} Gbit/s); {platform.node()}, {os.cpu_count()} "
+          f"({parse_rate(args.rate) / 1e9:g} Gbit/s), cores {args.cores}; "
+          f"{platform.node()}, {os.cpu_count()} "
           f"CPUs, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {started}",
           flush=True)
-    with HostRig(args.hosts, rate=args.rate) as rig:
+    with HostRig(args.hosts, rate=args.rate, cores=args.cores) as rig:
         for rnd in range(args.repeat):
             for impl in impls:
                 before = _link_counters(rig)
@@ -184,6 +193,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"hosts": args.hosts, "per_host": args.per_host, "rate": args.rate,
+                   "cores": rig.cores or "shared",
                        "started": started, "load_average": load,
                        "allreduce_seconds": runs, "link_payload_charged": link,
                        "ddp": ddp}, f, indent=1)

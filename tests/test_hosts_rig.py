@@ -63,6 +63,31 @@ def test_parse_rate_and_bad_arguments():
         HostRig(2, names=["a", "a"])
     with pytest.raises(ValueError, match="argument `delay`"):
         HostRig(2, delay=-1)
+    with pytest.raises(ValueError, match="argument `cores`"):
+        HostRig(2, cores="half")
+
+
+_AFFINITY = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
+
+
+@needs_rig
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_split_cores_give_each_host_its_own():
+    mine = sorted(os.sched_getaffinity(0))
+    with HostRig(2, cores="split") as rig:
+        seen = {h: eval(rig.run(h, _AFFINITY, check=True).stdout) for h in rig.names}
+        assert seen == rig.cores
+        assert seen["host0"] and seen["host1"]
+        assert not set(seen["host0"]) & set(seen["host1"])
+        assert set(seen["host0"]) | set(seen["host1"]) <= set(mine)
+        # a command's children keep their host's cores
+        nested = rig.run("host1", ["sh", "-c", " ".join(map(repr, _AFFINITY))], check=True)
+        assert eval(nested.stdout) == seen["host1"]
+    with HostRig(2) as rig:
+        assert rig.cores is None
+        assert eval(rig.run("host1", _AFFINITY, check=True).stdout) == mine
+    with pytest.raises(RigError, match="a core per host"):
+        HostRig(len(mine) + 1, cores="split")
 
 
 @needs_rig

@@ -11,6 +11,7 @@ import pytest
 
 from collectives import settings
 from collectives.slurm import slurm_port
+from collectives.testing.hosts import rig_unavailable
 from job_env import ROOT, job_env
 
 PAGE = ROOT / "docs" / "several-hosts.md"
@@ -44,6 +45,16 @@ def test_unmarked_blocks_run_as_written(index):
     proc = subprocess.run(command, cwd=ROOT, env=job_env(), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.skipif(rig_unavailable() is not None, reason=rig_unavailable() or "")
+def test_the_emulated_hosts_block_runs_as_root():
+    """Marked not-run for readers without root; here, with root, it runs as written."""
+    [text] = [text for _, text, reason in blocks() if "HostRig(" in text]
+    proc = subprocess.run([sys.executable, "-c", text], cwd=ROOT, env=job_env(),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 0.5 < float(proc.stdout.strip().splitlines()[-1]) <= 1.0
 
 
 def test_the_cited_settings_and_port_formula_are_the_code_s():

@@ -17,6 +17,12 @@ command on one host shares that host's ``/dev/shm``, hostname and address. Nothi
 added to the machine's own network namespace (no interface, route or name), so a rig can
 neither disturb the machine's network nor collide with another rig.
 
+CPUs: by default every host's commands may run on all of this machine's cores, so the
+hosts compete for them, which no cluster's machines do, and a host's ranks see cores that
+its neighbours also use. ``cores="split"`` gives each host its own share of the cores (host
+``i`` the ``i``-th equal, contiguous share; at least one core per host), set as the CPU
+affinity its commands start with, so what a rank reads of its cores is its host's.
+
 Link shape: ``rate`` limits each host's link, both ways, with a ``tbf`` qdisc on both ends of
 its veth pair (like a NIC of that speed on a switch): a transfer between two hosts runs at
 most at ``rate``. ``delay`` adds a one-way delay to everything a host sends (``netem``);
@@ -164,13 +170,28 @@ class _Anchor:
                 stream.close()
 
 
+def _split_cores(names: Sequence[str]) -> dict[str, list[int]]:
+    """This process's cores in equal, contiguous shares, one per host (the remainder
+    unused); a :class:`RigError` where there are fewer cores than hosts."""
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // len(names)
+    if share == 0:
+        raise RigError(f"HostRig: cores='split' needs a core per host; {len(names)} hosts, "
+                       f"{len(cores)} cores ({cores})")
+    if shutil.which("taskset") is None:
+        raise RigError("HostRig: cores='split' needs util-linux's taskset")
+    return {name: cores[i * share:(i + 1) * share] for i, name in enumerate(names)}
+
+
 class HostRig:
     """``count`` emulated hosts on one machine; a context manager (see the module's doc).
 
     ``rate``: each host's link speed, both ways (bits per second, or ``"1gbit"``);
     ``delay``: seconds of one-way delay added to what each host sends (needs netem);
     ``names``: the hostnames (default ``host0``, ``host1``, ...); ``shm_size``: the tmpfs
-    size of each host's ``/dev/shm`` (tmpfs's default, half the memory, when None).
+    size of each host's ``/dev/shm`` (tmpfs's default, half the memory, when None);
+    ``cores``: ``"shared"`` (every host may use every core of this machine) or
+    ``"split"`` (each host its own share of them; see the module's doc).
 
     Two ranks on two hosts::
 
@@ -183,7 +204,7 @@ class HostRig:
 
     def __init__(self, count: int = 2, *, rate: Union[str, int, float, None] = None,
                  delay: Optional[float] = None, names: Optional[Sequence[str]] = None,
-                 shm_size: Optional[str] = None) -> None:
+                 shm_size: Optional[str] = None, cores: str = "shared") -> None:
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 250:
             raise ValueError(f"HostRig: argument `count` must be an int from 1 to 250, got "
                              f"{count!r}")
@@ -196,10 +217,16 @@ class HostRig:
         if delay is not None and not (isinstance(delay, (int, float)) and 0 <= delay <= 10):
             raise ValueError(f"HostRig: argument `delay` must be seconds from 0 to 10, got "
                              f"{delay!r}")
+        if cores not in ("shared", "split"):
+            raise ValueError(f"HostRig: argument `cores` must be 'shared' or 'split', got "
+                             f"{cores!r}")
         reason = rig_unavailable()
         if reason is not None:
             raise RigError(f"HostRig: {reason}")
         self.names: list[str] = names
+        #: Each host's cores where ``cores="split"``, else None (all of this machine's).
+        self.cores: Optional[dict[str, list[int]]] = (
+            _split_cores(names) if cores == "split" else None)
         self.rate_bits: Optional[int] = None if rate is None else parse_rate(rate)
         self.delay: Optional[float] = delay
         self._addresses = {n: f"{SUBNET}.{i + 1}" for i, n in enumerate(names)}
@@ -275,8 +302,10 @@ class HostRig:
         """The ``nsenter`` prefix that runs a command on ``host`` in folder ``cwd``
         (default: this process's): ``rig.enter_command("host1") + ["hostname"]``."""
         self._check_host(host, "enter_command")
+        pinned = [] if self.cores is None else [
+            "taskset", "--cpu-list", ",".join(map(str, self.cores[host]))]
         return self._anchors[host].enter("--net", "--uts", "--mount") + [
-            f"--wd={cwd or os.getcwd()}", "--"]
+            f"--wd={cwd or os.getcwd()}", "--"] + pinned
 
     def popen(self, host: str, cmd: Command, *, env: Optional[Mapping[str, str]] = None,
               cwd: Optional[str] = None, **kwargs) -> subprocess.Popen:
