@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import abc
 import threading
-from typing import Optional
+from typing import Callable, Optional
+
+from .errors import CollectiveError
 
 
 class Work(abc.ABC):
@@ -50,6 +52,28 @@ class CompletedWork(Work):
 
     def is_completed(self) -> bool:
         return True
+
+
+class LiftedWork(Work):
+    """``work``, with the library's error it fails with raised as ``lift(error)``: how a
+    backend made of groups of its own (hier's host group) gives its part's errors its
+    own numbering and call."""
+
+    __slots__ = ("_work", "_lift")
+
+    def __init__(self, work: Work,
+                 lift: Callable[[CollectiveError], CollectiveError]) -> None:
+        self._work = work
+        self._lift = lift
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        try:
+            self._work.wait(timeout)
+        except CollectiveError as exc:
+            raise self._lift(exc) from exc
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
 
 
 class InFlight:

@@ -270,6 +270,26 @@ def test_a_rank_killed_on_the_other_host_is_named_and_nobody_hangs():
     assert not world.leftovers, f"left behind: {world.leftovers}"
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["recv", "irecv"])
+def test_a_peer_that_dies_on_this_host_is_named_in_the_group_s_numbering(how):
+    """Rank 3 dies while rank 2, on the same host (h1), waits to receive from it: the
+    message goes through shm, whose ranks there are 1 and 0, and the PeerError names
+    rank 3, as the group numbers it."""
+    victim, receiver, limit = 3, 2, 10.0
+    with FaultWorld("hier", 4, timeout=12.0, env=TWO_BY_TWO) as world:
+        outcomes = world.call(tasks.kill_during_recv, how, victim, receiver, limit + 1.0,
+                              limit=30)
+    assert isinstance(outcomes[victim], Died), outcomes
+    out = outcomes[receiver]
+    assert isinstance(out, dict) and out["type"] == "PeerError", out
+    assert out["peer"] == victim, out
+    assert out["message"].startswith(f"[rank {receiver}/4] recv: in the host (ranks 2, 3)"
+                                     f": rank {victim}"), out["message"]
+    assert out["after_s"] < limit, out
+    assert not world.leftovers, f"left behind: {world.leftovers}"
+
+
 # ------------------------------------------------------------------ the documentation
 @pytest.mark.timeout(180)
 def test_the_documentation_example_runs_as_written(tmp_path):

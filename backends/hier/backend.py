@@ -25,7 +25,7 @@ Two ranks on each of two hosts::
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -36,7 +36,7 @@ from collectives.errors import (CollectiveError, CollectiveTimeout,
 from collectives.group import ProcessGroup
 from collectives.paths import Path, PathTable
 from collectives.reduce_op import ReduceOp
-from collectives.work import Work
+from collectives.work import LiftedWork, Work
 
 from . import algorithms
 from .topology import Topology
@@ -144,10 +144,15 @@ class HierBackend(Backend):
         ``PeerError`` naming it."""
         return self._lift(exc, "between hosts", self.column_ranks)
 
-    def _lift(self, exc: CollectiveError, part: str, ranks: Sequence[int]) -> CollectiveError:
+    def _lift(self, exc: CollectiveError, part: str, ranks: Sequence[int],
+              p2p: Optional[str] = None) -> CollectiveError:
         """``exc`` from a part (whose rank ``i`` is this group's ``ranks[i]``), as the
-        same type of error naming this group's call."""
-        op, seq = getattr(self._call, "op", "collective"), getattr(self._call, "seq", -1)
+        same type of error naming this group's call: the collective running, or the
+        point to point ``p2p`` (``"send"``/``"recv"``)."""
+        if p2p is not None:
+            op, seq = p2p, -1
+        else:
+            op, seq = getattr(self._call, "op", "collective"), getattr(self._call, "seq", -1)
         head = f"{self.describe_call(op, seq)}: {part} (ranks {', '.join(map(str, ranks))})"
         if isinstance(exc, PeerError):   # (``peer``, too, in the part's numbering)
             peer = ranks[exc.peer] if 0 <= exc.peer < len(ranks) else -1
@@ -211,19 +216,35 @@ class HierBackend(Backend):
 
     def isend(self, array: np.ndarray, dst: int, tag: int) -> Work:
         transport, peer = self._routes[dst]
-        return transport.isend(array, peer, tag)
+        return self._direct("send", transport, lambda: transport.isend(array, peer, tag))
 
     def irecv(self, array: np.ndarray, src: int, tag: int) -> Work:
         transport, peer = self._routes[src]
-        return transport.irecv(array, peer, tag)
+        return self._direct("recv", transport, lambda: transport.irecv(array, peer, tag))
 
     def send_now(self, array: np.ndarray, dst: int, tag: int) -> None:
         transport, peer = self._routes[dst]
-        transport.send_now(array, peer, tag)
+        self._direct("send", transport, lambda: transport.send_now(array, peer, tag))
 
     def recv_now(self, array: np.ndarray, src: int, tag: int) -> None:
         transport, peer = self._routes[src]
-        transport.recv_now(array, peer, tag)
+        self._direct("recv", transport, lambda: transport.recv_now(array, peer, tag))
+
+    def _direct(self, op: str, transport: Backend, start: Callable[[], Any]) -> Any:
+        """``start()`` on the route's transport. The network's ranks are this group's;
+        shm's are the host's indices, so its errors (raised now, or by the Work) are
+        lifted to this group's numbering, as the collectives' are."""
+        if transport is not self.local.transport:
+            return start()
+
+        def lift(exc: CollectiveError) -> CollectiveError:
+            return self._lift(exc, "in the host", self.topo.local_ranks, p2p=op)
+
+        try:
+            work = start()
+        except CollectiveError as exc:
+            raise lift(exc) from exc
+        return work if work is None else LiftedWork(work, lift)
 
     # ---------------------------------------------------------------- collectives
     def all_reduce(self, a: np.ndarray, op: ReduceOp, seq: int) -> None:

@@ -136,6 +136,30 @@ def kill_in_collective(group: ProcessGroup, op: str, victim: int, limit: float,
     return {"type": None, "calls": calls}
 
 
+def kill_during_recv(group: ProcessGroup, how: str, victim: int, receiver: int,
+                     limit: float, delay: float = 0.05) -> dict:
+    """``victim`` SIGKILLs itself ``delay`` s after a barrier while ``receiver`` waits to
+    receive from it (``how``: ``"recv"``, or ``"irecv"`` and the Work's wait); the
+    receiver returns its error's summary (``after_s`` from the kill), or
+    ``{"type": None}`` if nothing failed; every other rank returns at once."""
+    buf = np.empty(16, np.float32)
+    group.barrier()
+    if group.rank == victim:
+        threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        time.sleep(limit)
+    if group.rank != receiver:
+        return {"type": None}
+    t0 = time.time()
+    try:
+        if how == "recv":
+            group.recv(buf, src=victim)
+        else:
+            group.irecv(buf, src=victim).wait()
+    except CollectiveError as exc:
+        return summary(exc, t0 + delay)
+    return {"type": None}
+
+
 def sleep_in_collective(group: ProcessGroup, op: str, sleeper: int, sleep: float) -> dict:
     """Every rank but ``sleeper`` calls ``op`` (after one warm-up call); ``sleeper``
     sleeps ``sleep`` s in user code and never makes the call. Returns the error's
