@@ -12,12 +12,12 @@ from __future__ import annotations
 import threading
 import time
 import zlib
-from typing import Optional
+from typing import NoReturn, Optional
 
 import numpy as np
 
 from .backend import Backend
-from .errors import CollectiveError, CollectiveTimeout
+from .errors import CollectiveError, CollectiveTimeout, PeerError
 from .work import Work
 
 #: Tags of a sub-group carry its id above this bit; tags below it are the sub-group's own.
@@ -47,13 +47,43 @@ class SubGroup(Backend):
 
     def isend(self, array: np.ndarray, dst: int, tag: int) -> Work:
         self._check()
-        return _ViewWork(self.parent.isend(array, self.ranks[dst], self._tag_offset | tag),
-                         self)
+        try:
+            work = self.parent.isend(array, self.ranks[dst], self._tag_offset | tag)
+        except CollectiveError as exc:
+            self.reraise(exc, "send")
+        return _ViewWork(work, self)
 
     def irecv(self, array: np.ndarray, src: int, tag: int) -> Work:
         self._check()
-        return _ViewWork(self.parent.irecv(array, self.ranks[src], self._tag_offset | tag),
-                         self)
+        try:
+            work = self.parent.irecv(array, self.ranks[src], self._tag_offset | tag)
+        except CollectiveError as exc:
+            self.reraise(exc, "recv")
+        return _ViewWork(work, self)
+
+    def lift(self, exc: CollectiveError, op: str) -> CollectiveError:
+        """The parent's error ``exc`` with the ranks it names (``PeerError.peer``,
+        ``CollectiveTimeout.missing``) in this view's numbering: -1, or left out, for a
+        rank that is not a member."""
+        def mine(rank: int) -> int:
+            return self.ranks.index(rank) if rank in self.ranks else -1
+
+        if isinstance(exc, PeerError) and exc.peer >= 0:
+            peer = mine(exc.peer)
+            return PeerError(f"{self.where(op)}: rank {peer} of the sub-group (the parent's "
+                             f"{exc.peer}): {exc}", peer=peer)
+        if isinstance(exc, CollectiveTimeout):
+            return CollectiveTimeout(str(exc), op=exc.op, seq=exc.seq, missing=[
+                mine(m) for m in exc.missing if m in self.ranks])
+        return exc
+
+    def reraise(self, exc: CollectiveError, op: str) -> NoReturn:
+        """Raise :meth:`lift` of ``exc`` (from it), or ``exc`` itself where nothing
+        changes."""
+        lifted = self.lift(exc, op)
+        if lifted is exc:
+            raise exc
+        raise lifted from exc
 
     def _check(self) -> None:
         if self.aborted.is_set():
@@ -93,8 +123,11 @@ class _ViewWork(Work):
                 return
             except CollectiveTimeout as exc:
                 if time.monotonic() >= deadline:
-                    raise CollectiveTimeout(f"{exc} (after {limit:g} s in all)", op=exc.op,
-                                            seq=exc.seq, missing=exc.missing) from None
+                    raise self._view.lift(CollectiveTimeout(
+                        f"{exc} (after {limit:g} s in all)", op=exc.op, seq=exc.seq,
+                        missing=exc.missing), "wait") from None
+            except CollectiveError as exc:
+                self._view.reraise(exc, "wait")
 
     def is_completed(self) -> bool:
         return self._inner.is_completed()
