@@ -191,7 +191,7 @@ class Capabilities:
 class Backend(abc.ABC):
     """A transport for one group of ranks (see the module docstring for the contract).
 
-    Two ranks::
+    A backend of one's own (``docs/writing-a-backend.md`` builds one that runs)::
 
         backend = MyBackend(rank, 2, timeout=60.0)      # what a factory returns
         pg = collectives.ProcessGroup(backend)          # init_process_group does this

@@ -32,7 +32,8 @@ class CollectiveTimeout(CollectiveError, TimeoutError):
 class PeerError(CollectiveError):
     """A peer rank died, hung up or reported a failure. ``peer``: that rank (-1:
     unknown), numbered as in the group whose transport raised the error (the call's own
-    group on shm, zmq and hier, its point to point included)."""
+    group on shm, zmq and hier, its point to point included, and in the sub-groups of
+    :mod:`collectives.subgroup`)."""
 
     def __init__(self, message: str, *, peer: int = -1) -> None:
         super().__init__(message)

@@ -7,7 +7,7 @@ hooks) and torch's C++ destructors must not meet a group still in use. They regi
 group with :func:`close_at_exit` when it opens and :func:`forget_at_exit` when it closes;
 one atexit hook closes the rest.
 
-Two ranks::
+In such a backend::
 
     close_at_exit(group)        # in the group's constructor
     forget_at_exit(group)       # in its _close

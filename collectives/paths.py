@@ -16,11 +16,18 @@ The size is that of one rank's contribution (see :mod:`collectives.thresholds`):
 tensor of broadcast, all_reduce and reduce; the input of all_gather and gather; the
 output of scatter and reduce_scatter; one peer's part of all_to_all.
 
-Two ranks::
+Two ranks of the send/recv defaults (``p2p:shm``), the path an all_reduce of 1 KiB and
+one of 1 MiB take:
 
-    print(pg.describe())
-    # all_reduce      below 64 KiB            recursive doubling
-    #                 any size                ring reduce-scatter + all-gather
+>>> import collectives
+>>> def all_reduce_paths():
+...     pg = collectives.init_process_group("p2p:shm")
+...     table = pg.transport.paths()          # pg.describe() prints it
+...     taken = [table.select("all_reduce", n, pg.size).name for n in (1024, 1 << 20)]
+...     pg.close()
+...     return taken
+>>> collectives.spawn(all_reduce_paths, 2)[0]
+['recursive doubling', 'ring reduce-scatter + all-gather']
 """
 
 from __future__ import annotations

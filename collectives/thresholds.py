@@ -15,10 +15,21 @@ scatter and reduce_scatter; one peer's part of all_to_all; the message of a send
 ``"send"``). Those are the sizes every implementation's dispatch looks at (a part of a
 chunked message is a fixed fraction of it).
 
-Two ranks::
+Two ranks of the send/recv defaults (``p2p:shm``): where their all_reduce changes path,
+and the float32 element counts the conformance suite draws around that line:
 
-    pg.size_thresholds()        # e.g. (SizeThreshold('algorithms.ALL_REDUCE_RING_BYTES',
-                                #        65536, ('all_reduce',)), ...)
+>>> import collectives
+>>> def all_reduce_lines():
+...     pg = collectives.init_process_group("p2p:shm")
+...     lines = [t for t in pg.size_thresholds() if "all_reduce" in t.ops]
+...     pg.close()
+...     return [(t.name, t.nbytes) for t in lines]
+>>> collectives.spawn(all_reduce_lines, 2)[0]
+[('algorithms.ALL_REDUCE_RING_BYTES', 65536)]
+>>> from collectives.thresholds import SizeThreshold, boundary_sizes
+>>> boundary_sizes(SizeThreshold("algorithms.ALL_REDUCE_RING_BYTES", 65536,
+...                               ("all_reduce",)), itemsize=4)
+[16382, 16384, 16386]
 """
 
 from __future__ import annotations

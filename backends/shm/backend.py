@@ -16,11 +16,18 @@ It is made of parts, each an object it holds:
 Which path each op takes, by message size, is the table :meth:`ShmBackend.paths`
 (``pg.describe()`` prints it; the conformance suite crosses every line of it).
 
-Two ranks::
+Two ranks (``pg.transport.native`` says whether the compiled core runs them):
 
-    pg = collectives.init_process_group("shm")
-    pg.transport.native       # True where the compiled core is built
-    print(pg.describe())      # the path table, the wait policy, the core in use
+>>> import numpy as np, collectives
+>>> def shm_pair():
+...     pg = collectives.init_process_group("shm")
+...     a = np.full(4, pg.rank + 1.0, np.float32)
+...     pg.all_reduce(a)
+...     text = pg.describe()       # the path table, the wait policy, the core in use
+...     pg.close()
+...     return a.tolist(), text.splitlines()[0]
+>>> collectives.spawn(shm_pair, 2)[1]
+([3.0, 3.0, 3.0, 3.0], "ProcessGroup 'world' on shm, rank 1 of 2, timeout ... s")
 """
 
 from __future__ import annotations

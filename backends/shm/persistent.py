@@ -5,10 +5,23 @@ directly; all_gather and reduce_scatter rounds call the backend's methods (on th
 message that fits a slot is one call of it). See :mod:`collectives.persistent` for the
 contract.
 
-Two ranks::
+Two ranks, three rounds of one request:
 
-    req = pg.all_reduce_init(t)     # 4 KiB of float32: the one-phase path, bound now
-    req.start(); req.wait()         # one phase: publish, wait for the peer, reduce
+>>> import numpy as np, collectives
+>>> def rounds():
+...     pg = collectives.init_process_group("shm")
+...     t = np.zeros(1024, np.float32)   # 4 KiB: the one-phase path, bound now
+...     req = pg.all_reduce_init(t)
+...     sums = []
+...     for step in range(3):
+...         t[:] = pg.rank + step
+...         req.start(); req.wait()      # one phase: publish, wait for the peer, reduce
+...         sums.append(float(t[0]))
+...     req.free()
+...     pg.close()
+...     return sums
+>>> collectives.spawn(rounds, 2)
+[[1.0, 3.0, 5.0], [1.0, 3.0, 5.0]]
 
 An all_reduce past the one-phase size of an array in symmetric memory, on the core
 (DDP's bucket), gets a round bound once by the core (``NativeCore.symmetric_round``): one
