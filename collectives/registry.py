@@ -29,6 +29,9 @@ _BUILTIN: dict[str, tuple[str, str | None]] = {
     "gloo": ("backends.torchdist.backend:create_gloo", "torch"),
     "nccl": ("backends.torchdist.nccl:create_nccl", "torch"),
     "torch": ("backends.torchdist.nccl:create_auto", "torch"),
+    # ours again, driven through torch.distributed's "collectives" backend (as gloo is
+    # driven through torch's gloo): shm underneath, hier across hosts, or COLLECTIVES_BACKEND
+    "collectives": ("backends.torchdist.bridge:create_collectives", "torch"),
     # shm inside each host, zmq (or COLLECTIVES_HIER_NET) between hosts
     "hier": ("backends.hier:create", "zmq"),
 }

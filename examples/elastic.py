@@ -45,9 +45,9 @@ def _options(p):
 
 def _regroupable_backend(args) -> None:
     """ValueError unless --backend can re-form a group."""
-    if args.backend not in (None, "shm", "zmq", "gloo"):
+    if args.backend not in (None, "shm", "zmq", "gloo", "collectives"):
         raise ValueError(f"argument --backend: {args.backend} cannot re-form a group; "
-                         f"use shm, zmq or gloo")
+                         f"use shm, zmq, gloo or collectives")
 
 
 if __name__ == "__main__":   # parse first: a bad flag is refused before torch loads

@@ -60,10 +60,13 @@ _NOT_TESTED_HERE = {"nccl": "needs CUDA tensors; this suite passes host tensors"
 #: where the kernel copies slowly: backends/shm/cma.py).
 #: ``hier`` runs on virtual hosts (``COLLECTIVES_HOST``): 1 and 2 ranks on one host, 3
 #: ranks as 2 + 1 (uneven hosts), 4 as 2 hosts x 2 ranks.
+#: ``collectives`` (our group through torch.distributed's "collectives" backend, shm
+#: underneath, which has its own worlds here) at 2 ranks in the default run (~40 s), at
+#: 1, 3 and 4 in the slow set (~150 s more).
 VARIANTS = {"shm-py": ("shm", {"COLLECTIVES_SHM_NATIVE": "0"}),
             "shm": ("shm", {"COLLECTIVES_SHM_CMA": "1"}),
             "hier": ("hier", {"COLLECTIVES_HOST": "h0,h0,h1,h1"})}
-_SLOW_VARIANT_SIZES = {"shm-py": (1, 3, 4)}
+_SLOW_VARIANT_SIZES = {"shm-py": (1, 3, 4), "collectives": (1, 3, 4)}
 
 _close_problems: list[str] = []
 

@@ -696,6 +696,18 @@ def test_example_reaches_accuracy(nproc):
     assert elapsed < 120, elapsed
 
 
+def test_example_over_the_collectives_backend_trains_like_shm():
+    """``--backend collectives`` (our ProcessGroup through torch.distributed's
+    "collectives" backend, shm underneath: the ranks get COLLECTIVES_BACKEND=collectives,
+    which must not nest the backend in itself) trains to shm's result, bit for bit."""
+    shm, _ = _run_example("--backend", "shm", "--nproc", "2", "--epochs", "1", timeout=120)
+    bridge, _ = _run_example("--backend", "collectives", "--nproc", "2", "--epochs", "1",
+                             timeout=120)
+    assert (shm["backend"], bridge["backend"]) == ("shm", "collectives")
+    assert bridge["world_size"] == 2 and bridge["final_acc"] > 0.7, bridge
+    assert (bridge["final_acc"], bridge["final_loss"]) == (shm["final_acc"], shm["final_loss"])
+
+
 def test_parallel_imports_no_transport():
     """parallel/ (DDP, FSDP, TP, PP, the mesh: every file) is written against the
     interface only (read its imports: importing torch loads torch.distributed anyway, so

@@ -1,10 +1,10 @@
 """``python examples/elastic.py --nproc 4`` with one rank SIGKILLed from outside at a
-random time finishes with exit 0 and ``final_acc`` >= 0.85 on shm, zmq and gloo; with
-``--respawn``, ``world_size_final`` is 4. The test finds the ranks as a chaos tool would:
-among the launcher's descendants, by the ``RANK`` in the environment the kernel shows
-(``/proc/PID/environ``), every live rank's and the replacement's. The kill comes in the
-first second after the first quorum (8 epochs train for several seconds on 2 cores, so a
-replacement has time to join).
+random time finishes with exit 0 and ``final_acc`` >= 0.85 on shm, zmq, gloo and
+collectives; with ``--respawn``, ``world_size_final`` is 4. The test finds the ranks as a
+chaos tool would: among the launcher's descendants, by the ``RANK`` in the environment the
+kernel shows (``/proc/PID/environ``), every live rank's and the replacement's. The kill
+comes in the first second after the first quorum (8 epochs train for several seconds on 2
+cores, so a replacement has time to join).
 """
 
 from __future__ import annotations
@@ -127,7 +127,8 @@ def run_with_a_kill(backend: str, respawn: bool, seed: int) -> dict:
 @pytest.mark.parametrize("backend, respawn", [
     _param("shm", False), _param("shm", True, slow=True), _param("zmq", False, slow=True),
     _param("zmq", True, slow=True), _param("gloo", False, slow=True),
-    _param("gloo", True, slow=True)])
+    _param("gloo", True, slow=True), _param("collectives", False, slow=True),
+    _param("collectives", True, slow=True)])
 def test_elastic_example_survives_a_sigkill(backend, respawn):
     run = run_with_a_kill(backend, respawn, seed=sum(map(ord, backend)) + respawn)
     summary, err = run["summary"], run["err"]

@@ -1,6 +1,7 @@
 """Jobs that really span hosts (the namespace rig of collectives.testing.hosts): torchrun's
-c10d rendezvous and MPICH's mpiexec with a host file, 2 hosts x 2 ranks, each training
-examples/ddp.py to the result of the same launcher's 4 ranks on one host.
+c10d rendezvous (zmq, gloo and the collectives backend) and MPICH's mpiexec with a host
+file, 2 hosts x 2 ranks, each training examples/ddp.py to the result of the same
+launcher's 4 ranks on one host.
 
 Slow: every case starts 4 torch processes twice."""
 
@@ -39,13 +40,22 @@ def _same_training(one_host: dict, two_hosts: dict) -> None:
         (one_host["final_acc"], one_host["final_loss"]), (one_host, two_hosts)
 
 
-@pytest.mark.parametrize("backend", ["zmq", "gloo"])
+@pytest.mark.parametrize("backend", ["zmq", "gloo", "collectives"])
 def test_torchrun_across_hosts_trains_like_one_host(rig, backend):
+    """``collectives``: our group through torch.distributed's "collectives" backend, with
+    shm underneath on one host and hier (shm in each host, zmq between) on two (which
+    init_process_group logs at info)."""
     argv = DDP + ["--backend", backend]
-    one = summary(run_torchrun(rig, argv, nproc_per_node=4, hosts=["host0"], env=ENV))
-    two = summary(run_torchrun(rig, argv, nproc_per_node=2, env=ENV))
+    env = dict(ENV, COLLECTIVES_LOG_LEVEL="info") if backend == "collectives" else ENV
+    one_host = run_torchrun(rig, argv, nproc_per_node=4, hosts=["host0"], env=env)
+    two_hosts = run_torchrun(rig, argv, nproc_per_node=2, env=env)
+    one, two = summary(one_host), summary(two_hosts)
     assert two["backend"] == backend
     _same_training(one, two)
+    if backend == "collectives":
+        hier = "spans several hosts: backend hier"
+        assert not any(hier in o.stderr for o in one_host), one_host[0].stderr[-2000:]
+        assert all(o.stderr.count(hier) == 2 for o in two_hosts), two_hosts[0].stderr[-2000:]
 
 
 def test_torchrun_across_hosts_torch_backend_collectives(rig):

@@ -49,10 +49,33 @@ def test_registered_on_import_and_options_checked():
     assert tb.BACKEND_NAME == "collectives" and "collectives" in dist.Backend.backend_list
     assert dist.Backend.backend_capability["collectives"] == ["cpu", "cuda"]
     with pytest.raises(TypeError, match="pg_options"):
-        tb.rendezvous._transport({"transport": "zmq"})
+        tb.transport_of({"transport": "zmq"})
     with pytest.raises(ValueError, match="torch.distributed itself"):
-        tb.rendezvous._transport(tb.Options("gloo"))
-    assert tb.rendezvous._transport(tb.Options("zmq")) == "zmq"
+        tb.transport_of(tb.Options("gloo"))
+    assert tb.transport_of(tb.Options("zmq")) == "zmq"
+
+
+def test_the_transport_underneath_is_never_this_backend(monkeypatch):
+    """``COLLECTIVES_BACKEND=collectives`` (what ``examples/ddp.py --backend collectives``
+    exports to its ranks) means the default transport, never a "collectives" group inside
+    one; asked for by name in the options, it is a ValueError saying so. Another
+    transport in the variable is used as it is, a torch one refused naming the variable."""
+    for value in ("collectives", " collectives", "p2p:collectives", ""):
+        monkeypatch.setenv("COLLECTIVES_BACKEND", value)
+        assert tb.transport_of(None) == tb.DEFAULT_TRANSPORT == "shm", value
+        assert tb.transport_of(tb.Options()) == "shm", value
+    monkeypatch.setenv("COLLECTIVES_BACKEND", "zmq")
+    assert tb.transport_of(None) == "zmq"
+    assert tb.transport_of(tb.Options(transport="p2p:shm")) == "p2p:shm"
+    for name in ("collectives", "p2p:collectives"):
+        with pytest.raises(ValueError, match=r"init_process_group\(backend='collectives'\): "
+                                             r"Options.transport '.*collectives' names this "
+                                             r"backend itself"):
+            tb.transport_of(tb.Options(transport=name))
+    monkeypatch.setenv("COLLECTIVES_BACKEND", "gloo")
+    with pytest.raises(ValueError, match="'gloo' \\(from COLLECTIVES_BACKEND\\) is "
+                                         "torch.distributed itself"):
+        tb.transport_of(None)
 
 
 def test_world_of_one_through_a_hash_store(monkeypatch):

@@ -61,7 +61,9 @@ numpy array must take the GIL, and doing that during finalisation aborts the pro
 ("terminate called without an active exception", about 1 run in 10 on torch 2.13 CPU).
 
 The NCCL backend and the ``nccl`` and ``torch`` factories are in
-:mod:`backends.torchdist.nccl`; the conversion of arguments to tensors, byte views, c10d
+:mod:`backends.torchdist.nccl`; the ``collectives`` backend (this class over
+torch.distributed's ``"collectives"`` group instead of gloo's) in
+:mod:`backends.torchdist.bridge`; the conversion of arguments to tensors, byte views, c10d
 options and tags in :mod:`backends.torchdist.tensors`; the failure diagnosis (a member on
 this host that died, the ranks that never arrived) in :mod:`backends.torchdist.failures`;
 the store every group of a job meets through in :mod:`backends.torchdist.meeting`.
@@ -129,6 +131,12 @@ class TorchBackend(Backend):
     #: costs the same here (2 and 4 ranks, 4 KiB and 4 MiB per rank: within 10 % of
     #: ``_reduce_scatter_base``, either way round).
     native_reduce_scatter = False
+    #: What diagnoses this backend's failures (a subclass over another c10d group may
+    #: bring its own: :mod:`backends.torchdist.bridge`).
+    failures_class = Failures
+    #: Keep a broken group's c10d object to the end of the process instead of shutting
+    #: it down (gloo's threads may be stuck on a dead peer: see ``_release``).
+    keeps_broken_c10d = True
 
     def __init__(self, rank: int, size: int, *, timeout: float, c10d: Any,
                  store: "Meeting", prefix: str) -> None:
@@ -144,7 +152,7 @@ class TorchBackend(Backend):
         self.inflight = InFlight()
         #: Collectives entered so far.
         self.entered = 0
-        self.failures = Failures(self, prefix)
+        self.failures = self.failures_class(self, prefix)
         close_at_exit(self)  # only now: a failed constructor's caller releases the store
 
     # ------------------------------------------------------------------ construction
@@ -188,14 +196,19 @@ class TorchBackend(Backend):
             raise CollectiveError(f"{where}: the group is closed")
         meeting.acquire()  # the sub-group shares its parent's store
         try:
-            c10d = construct(lambda: self._make_c10d(dist.PrefixStore(prefix, self.store),
-                                                      rank, size, self.timeout, **extra),
-                              where, self.timeout)
+            c10d = construct(lambda: self._make_sub_c10d(
+                dist.PrefixStore(prefix, self.store), ranks, **extra), where, self.timeout)
             return type(self)(rank, size, timeout=self.timeout, c10d=c10d, store=meeting,
                               prefix=prefix, **extra)
         except BaseException:
             meeting.release(broken=True)
             raise
+
+    def _make_sub_c10d(self, store: Any, ranks: tuple[int, ...], **extra: Any) -> Any:
+        """torch's group for the sub-group ``ranks`` (called on its members): a new one
+        built on ``store``, the parent's store under the sub-group's prefix."""
+        return self._make_c10d(store, ranks.index(self.rank), len(ranks), self.timeout,
+                               **extra)
 
     def _sub_group_extra(self) -> dict:
         return {}
@@ -449,7 +462,7 @@ class TorchBackend(Backend):
         meeting, self._meeting = self._meeting, None
         self.store = None
         self._tls = threading.local()  # noted arguments: no reason to keep them alive
-        if broken and pg is not None:
+        if broken and pg is not None and self.keeps_broken_c10d:
             # A member died (or the group was aborted): gloo's threads may still be
             # blocked in an operation this rank gave up on until the group timeout, and
             # the destructor would wait for them. The group is broken anyway: keep it to

@@ -65,6 +65,12 @@ class Failures:
     raises ``PeerError: [rank 0/2] all_reduce (seq 3): rank 1 died (its process ...)``.
     """
 
+    @property
+    def knows_pids(self) -> bool:
+        """Whether the members exchange process ids (gloo; not NCCL, whose waits are not
+        watched)."""
+        return self._backend.name == "gloo"
+
     def __init__(self, backend: Any, prefix: str) -> None:
         self._backend = backend
         self._prefix = prefix
@@ -73,10 +79,10 @@ class Failures:
 
     def _exchange_pids(self) -> dict[int, int]:
         """Every member publishes ``host pid`` in the store; returns group rank -> pid
-        of the other members on this host (empty for a world of one or NCCL, whose
-        waits are not watched). Lets a rank name a peer that died (``dead_peers``)."""
+        of the other members on this host (empty for a world of one, or where not
+        ``knows_pids``). Lets a rank name a peer that died (``dead_peers``)."""
         b = self._backend
-        if b.size == 1 or b.name != "gloo" or b.store is None:
+        if b.size == 1 or not self.knows_pids or b.store is None:
             return {}
         key = f"{self._prefix}collectives-pid/"
         host = socket.gethostname()

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from collectives import logs
-from collectives.errors import CollectiveTimeout, PeerError
+from collectives.errors import CollectiveError, CollectiveTimeout, PeerError
 from collectives.errors import where as _where
 from collectives.launch import Rendezvous
 
@@ -208,6 +208,8 @@ def construct(make: Callable[[], Any], where: str, timeout: float) -> Any:
     """Build a c10d object, turning connection failures into this library's errors."""
     try:
         return make()
+    except CollectiveError:
+        raise  # already ours (a transport of this library under the collectives backend)
     except RuntimeError as exc:
         detail = first_line(exc)
         if "timed out" in detail.lower() or "timeout" in detail.lower():

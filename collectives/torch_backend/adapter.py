@@ -361,4 +361,8 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         self.group.close()
 
     def abort(self) -> None:
+        """End the calls in flight and queued at once (our group's ``abort``: each fails
+        with ``GroupAborted`` within a second, whatever the peers do), then shut down;
+        ``shutdown`` alone would first wait for them, up to our group's timeout."""
+        self.group.abort("the torch process group was aborted")
         self.shutdown()

@@ -5,9 +5,17 @@ a prefix per group), the group rank and size and the timeout. From the store alo
 rank learns what our transports need to meet: a job id nobody else uses (rank 0 draws
 it), which ranks share this host (each rank posts its host name) and, for zmq, a port
 for its own rendezvous (torch's store already listens at ``MASTER_PORT``). The world
-group is built that way; ``dist.new_group`` makes a sub-group of it with our
-``ProcessGroup.new_group`` (so mpi sub-groups are MPI communicators, shm ones their own
-segments), run in order with the world's queued collectives.
+group is built that way (:func:`build_group`, which this library's own ``collectives``
+backend, :mod:`backends.torchdist.bridge`, calls too); ``dist.new_group`` makes a
+sub-group of it with our ``ProcessGroup.new_group`` (so mpi sub-groups are MPI
+communicators, shm ones their own segments), run in order with the world's queued
+collectives.
+
+The transport (:func:`transport_of`): the options' ``transport``, else
+``COLLECTIVES_BACKEND``, else ``shm``; ``shm`` becomes ``hier`` when the ranks span
+several hosts, as in ``collectives.init_process_group``. A ``COLLECTIVES_BACKEND`` of
+``collectives`` means this backend itself (``examples/ddp.py --backend collectives``
+exports it to the ranks it spawns), so the transport underneath is then the default.
 """
 
 from __future__ import annotations
@@ -24,11 +32,12 @@ from .. import settings
 from ..group import ProcessGroup
 from ..validation import timeout_seconds
 from ..launch import Rendezvous
-from ..registry import P2P_ONLY_PREFIX, get_backend
+from ..registry import P2P_ONLY_PREFIX, create_backend as _create_transport
 from ..spawn import free_port
-from .adapter import ProcessGroupCollectives
+from ..world import across_hosts
+from .adapter import BACKEND_NAME, ProcessGroupCollectives
 
-__all__ = ["DEFAULT_TRANSPORT", "Options", "create_backend"]
+__all__ = ["DEFAULT_TRANSPORT", "Options", "build_group", "create_backend", "transport_of"]
 
 #: The transport when neither the options nor ``COLLECTIVES_BACKEND`` name one.
 DEFAULT_TRANSPORT = "shm"
@@ -37,9 +46,12 @@ DEFAULT_TRANSPORT = "shm"
 _TORCH_TRANSPORTS = ("gloo", "nccl", "torch")
 
 _KEY = "collectives/"
+_WHERE = "init_process_group(backend='collectives')"
 
-# The live world group, which sub-groups are made from (torch has one world at a time).
+# The live world group, which sub-groups are made from (torch has one world at a time),
+# and the transport it was asked for (``shm`` where ``hier`` was built across hosts).
 _world: "Optional[weakref.ref[ProcessGroupCollectives]]" = None
+_world_asked: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -58,21 +70,41 @@ class Options:
     timeout: Union[float, datetime.timedelta, None] = None
 
 
-def _transport(options: Any) -> str:
-    where = "init_process_group(backend='collectives')"
+def transport_of(options: Any, *, where: str = _WHERE) -> str:
+    """The registry name of the transport underneath: ``options.transport`` (an
+    :class:`Options`, or None), else ``COLLECTIVES_BACKEND``, else :data:`DEFAULT_TRANSPORT`.
+
+    ``COLLECTIVES_BACKEND=collectives`` names this backend itself (a launcher exports
+    the backend it was given), so it means the default here rather than a group inside a
+    group inside ...; ``Options(transport="collectives")``, which can only be a slip, is
+    a ``ValueError``, as are torch's own transports.
+
+    >>> transport_of(Options(transport="zmq"))
+    'zmq'
+    """
     if options is not None and not isinstance(options, Options):
         raise TypeError(f"{where}: argument `pg_options` must be a "
                         f"collectives.torch_backend.Options, got {type(options).__name__}")
-    name = (options.transport if options is not None else None) \
-        or settings.BACKEND.get() or DEFAULT_TRANSPORT
+    name, source = (options.transport if options is not None else None), "Options.transport"
+    if name is None or name == "":
+        name, source = (settings.BACKEND.get() or "").strip(), settings.BACKEND.name
+        if not name or _base(name) == BACKEND_NAME:
+            name = DEFAULT_TRANSPORT
     if not isinstance(name, str):
         raise TypeError(f"{where}: Options.transport must be a string, got "
                         f"{type(name).__name__}")
-    base = name[len(P2P_ONLY_PREFIX):] if name.startswith(P2P_ONLY_PREFIX) else name
+    base = _base(name)
     if base in _TORCH_TRANSPORTS:
-        raise ValueError(f"{where}: transport {name!r} is torch.distributed itself; use "
-                         f"dist.init_process_group({base!r}) directly")
+        raise ValueError(f"{where}: transport {name!r} (from {source}) is torch.distributed "
+                         f"itself; use dist.init_process_group({base!r}) directly")
+    if base == BACKEND_NAME:
+        raise ValueError(f"{where}: Options.transport {name!r} names this backend itself; "
+                         f"name the transport underneath it (shm, zmq, mpi, hier, ...)")
     return name
+
+
+def _base(name: str) -> str:
+    return name[len(P2P_ONLY_PREFIX):] if name.startswith(P2P_ONLY_PREFIX) else name
 
 
 def _meet(store: Any, rank: int, size: int) -> Rendezvous:
@@ -101,6 +133,21 @@ def _meet(store: Any, rank: int, size: int) -> Rendezvous:
         launcher="torchrun" if one_host else "explicit")
 
 
+def build_group(store: Any, rank: int, size: int, timeout: float, transport: str, *,
+                where: str = _WHERE, name: str = "world") -> ProcessGroupCollectives:
+    """A new world of ours over ``transport`` (a registry name, see :func:`transport_of`)
+    for ``size`` ranks that meet through torch's ``store``, as a
+    :class:`ProcessGroupCollectives`: the one way both torch's ``"collectives"`` backend
+    (:func:`create_backend`) and this library's ``collectives`` backend
+    (:mod:`backends.torchdist.bridge`) build it. ``shm`` across hosts becomes ``hier``.
+    ``name``: our group's name (its flight records' file name).
+    """
+    rendezvous = _meet(store, rank, size)
+    chosen = across_hosts(transport, rendezvous)
+    made = _create_transport(chosen, rendezvous, timeout, where=where, what="the transport")
+    return ProcessGroupCollectives(ProcessGroup(made, name=name), chosen)
+
+
 def create_backend(options: Any, backend_options: Any) -> ProcessGroupCollectives:
     """torch's factory for the ``"collectives"`` backend (``extended_api=True``).
 
@@ -108,24 +155,21 @@ def create_backend(options: Any, backend_options: Any) -> ProcessGroupCollective
     timeout, global_ranks_in_group: empty for the world), ``backend_options`` the
     ``pg_options`` of the init call (an :class:`Options` or None).
     """
-    global _world
-    transport = _transport(backend_options)
+    global _world, _world_asked
+    transport = transport_of(backend_options)
     seconds = timeout_seconds(getattr(backend_options, "timeout", None),
-                              timeout_seconds(options.timeout, 0.0),
-                              where="init_process_group(backend='collectives')",
+                              timeout_seconds(options.timeout, 0.0), where=_WHERE,
                               arg="Options.timeout")
     ranks = list(options.global_ranks_in_group)
     world = _world() if _world is not None else None
-    if ranks and world is not None and world.transport == transport:
+    if ranks and world is not None and _world_asked == transport:
         members = tuple(sorted(ranks))
         sub = world.run_on_group_thread(lambda: world.group.new_group(members))
-        return ProcessGroupCollectives(sub, transport)
-    rendezvous = _meet(options.store, options.group_rank, options.group_size)
-    factory = get_backend(transport, where="init_process_group(backend='collectives')",
-                          what="the transport")
-    adapter = ProcessGroupCollectives(ProcessGroup(factory(rendezvous, seconds)), transport)
+        return ProcessGroupCollectives(sub, world.transport)
+    adapter = build_group(options.store, options.group_rank, options.group_size, seconds,
+                          transport)
     if not ranks:
-        _world = weakref.ref(adapter)
+        _world, _world_asked = weakref.ref(adapter), transport
         adapter._on_shutdown.append(_forget_world)
     return adapter
 
