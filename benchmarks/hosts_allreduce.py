@@ -193,7 +193,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"hosts": args.hosts, "per_host": args.per_host, "rate": args.rate,
-                   "cores": rig.cores or "shared",
+                   "cores": args.cores,
                        "started": started, "load_average": load,
                        "allreduce_seconds": runs, "link_payload_charged": link,
                        "ddp": ddp}, f, indent=1)

@@ -7,7 +7,7 @@ operation, and (for waits) which peers did not arrive. Argument errors are plain
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable, Optional
 
 
 class CollectiveError(RuntimeError):
@@ -53,6 +53,38 @@ class GroupAborted(CollectiveError):
 class CollectiveMismatch(CollectiveError):
     """Ranks called different collectives, or the same one with different shapes,
     dtypes or roots."""
+
+
+def renumbered(exc: CollectiveError, head: str, rank_of: Callable[[int], int], *,
+               op: Optional[str] = None, seq: Optional[int] = None) -> CollectiveError:
+    """``exc``, raised by a part of a group made of other groups (hier's host group, a
+    sub-group's parent), as the same type of error of the call ``head`` names (its
+    ``op`` and ``seq``; None keeps the part's), the ranks it names (``PeerError.peer``,
+    ``CollectiveTimeout.missing``) mapped by ``rank_of`` to the group's numbering (-1
+    where the part's rank is not one of the group's: then ``peer`` is -1, and
+    ``missing`` leaves it out). An error type that cannot be built from a message alone
+    becomes a :class:`CollectiveError`.
+
+    >>> e = renumbered(PeerError("[rank 0/2] recv from rank 1: it died", peer=1),
+    ...                "[rank 2/4] recv: in the host (ranks 2, 3)", lambda i: (2, 3)[i])
+    >>> e.peer, str(e)
+    (3, '[rank 2/4] recv: in the host (ranks 2, 3): rank 3: [rank 0/2] recv from rank 1: it died')
+    """
+    if isinstance(exc, PeerError):
+        peer = rank_of(exc.peer) if exc.peer >= 0 else -1
+        named = f": rank {peer}" if peer >= 0 else ""
+        return PeerError(f"{head}{named}: {exc}", peer=peer)
+    if isinstance(exc, CollectiveTimeout):
+        missing = [mine for mine in map(rank_of, exc.missing) if mine >= 0]
+        return CollectiveTimeout(f"{head}: {exc}", op=exc.op if op is None else op,
+                                 seq=exc.seq if seq is None else seq, missing=missing)
+    if isinstance(exc, GroupAborted):
+        return GroupAborted(f"{head}: {exc}", op=exc.op if op is None else op,
+                            reason=exc.reason)
+    try:
+        return type(exc)(f"{head}: {exc}")
+    except TypeError:
+        return CollectiveError(f"{head}: {exc}")
 
 
 def where(rank: int, size: int, op: str) -> str:

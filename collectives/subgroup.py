@@ -17,7 +17,7 @@ from typing import NoReturn, Optional
 import numpy as np
 
 from .backend import Backend
-from .errors import CollectiveError, CollectiveTimeout, PeerError
+from .errors import CollectiveError, CollectiveTimeout, PeerError, renumbered
 from .work import Work
 
 #: Tags of a sub-group carry its id above this bit; tags below it are the sub-group's own.
@@ -51,7 +51,7 @@ class SubGroup(Backend):
             work = self.parent.isend(array, self.ranks[dst], self._tag_offset | tag)
         except CollectiveError as exc:
             self.reraise(exc, "send")
-        return _ViewWork(work, self)
+        return _ViewWork(work, self, "send")
 
     def irecv(self, array: np.ndarray, src: int, tag: int) -> Work:
         self._check()
@@ -59,23 +59,17 @@ class SubGroup(Backend):
             work = self.parent.irecv(array, self.ranks[src], self._tag_offset | tag)
         except CollectiveError as exc:
             self.reraise(exc, "recv")
-        return _ViewWork(work, self)
+        return _ViewWork(work, self, "recv")
 
     def lift(self, exc: CollectiveError, op: str) -> CollectiveError:
-        """The parent's error ``exc`` with the ranks it names (``PeerError.peer``,
-        ``CollectiveTimeout.missing``) in this view's numbering: -1, or left out, for a
-        rank that is not a member."""
-        def mine(rank: int) -> int:
-            return self.ranks.index(rank) if rank in self.ranks else -1
-
-        if isinstance(exc, PeerError) and exc.peer >= 0:
-            peer = mine(exc.peer)
-            return PeerError(f"{self.where(op)}: rank {peer} of the sub-group (the parent's "
-                             f"{exc.peer}): {exc}", peer=peer)
-        if isinstance(exc, CollectiveTimeout):
-            return CollectiveTimeout(str(exc), op=exc.op, seq=exc.seq, missing=[
-                mine(m) for m in exc.missing if m in self.ranks])
-        return exc
+        """The parent's error ``exc`` of this view's ``op``, the ranks it names
+        (``PeerError.peer``, ``CollectiveTimeout.missing``) in this view's numbering
+        (:func:`~collectives.errors.renumbered`); other errors as they are."""
+        if not isinstance(exc, (PeerError, CollectiveTimeout)):
+            return exc
+        head = f"{self.where(op)}: in the parent (ranks {', '.join(map(str, self.ranks))})"
+        return renumbered(exc, head,
+                          lambda r: self.ranks.index(r) if r in self.ranks else -1)
 
     def reraise(self, exc: CollectiveError, op: str) -> NoReturn:
         """Raise :meth:`lift` of ``exc`` (from it), or ``exc`` itself where nothing
@@ -106,17 +100,17 @@ class _ViewWork(Work):
     """A parent's Work, waited for in slices so that an abort of the view ends the wait
     (a Work's ``wait(timeout)`` may be resumed: the operation goes on)."""
 
-    __slots__ = ("_inner", "_view")
+    __slots__ = ("_inner", "_view", "_op")
 
-    def __init__(self, inner: Work, view: SubGroup) -> None:
-        self._inner, self._view = inner, view
+    def __init__(self, inner: Work, view: SubGroup, op: str) -> None:
+        self._inner, self._view, self._op = inner, view, op
 
     def wait(self, timeout: Optional[float] = None) -> None:
         limit = self._view.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         while True:
             if self._view.aborted.is_set():
-                raise CollectiveError(f"{self._view.where('wait')}: the sub-group was aborted")
+                raise CollectiveError(f"{self._view.where(self._op)}: the sub-group was aborted")
             left = deadline - time.monotonic()
             try:
                 self._inner.wait(max(1e-6, min(ABORT_SLICE_S, left)))
@@ -125,9 +119,9 @@ class _ViewWork(Work):
                 if time.monotonic() >= deadline:
                     raise self._view.lift(CollectiveTimeout(
                         f"{exc} (after {limit:g} s in all)", op=exc.op, seq=exc.seq,
-                        missing=exc.missing), "wait") from None
+                        missing=exc.missing), self._op) from None
             except CollectiveError as exc:
-                self._view.reraise(exc, "wait")
+                self._view.reraise(exc, self._op)
 
     def is_completed(self) -> bool:
         return self._inner.is_completed()

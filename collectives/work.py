@@ -70,7 +70,10 @@ class LiftedWork(Work):
         try:
             self._work.wait(timeout)
         except CollectiveError as exc:
-            raise self._lift(exc) from exc
+            lifted = self._lift(exc)
+            if lifted is exc:
+                raise
+            raise lifted from exc
 
     def is_completed(self) -> bool:
         return self._work.is_completed()

@@ -4,6 +4,7 @@ shape takes effect, and teardown leaves nothing behind."""
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -76,16 +77,24 @@ def test_split_cores_give_each_host_its_own():
     mine = sorted(os.sched_getaffinity(0))
     with HostRig(2, cores="split") as rig:
         seen = {h: eval(rig.run(h, _AFFINITY, check=True).stdout) for h in rig.names}
-        assert seen == rig.cores
+        assert seen == rig.host_cores
         assert seen["host0"] and seen["host1"]
         assert not set(seen["host0"]) & set(seen["host1"])
         assert set(seen["host0"]) | set(seen["host1"]) <= set(mine)
         # a command's children keep their host's cores
-        nested = rig.run("host1", ["sh", "-c", " ".join(map(repr, _AFFINITY))], check=True)
+        nested = rig.run("host1", ["sh", "-c", shlex.join(_AFFINITY)], check=True)
         assert eval(nested.stdout) == seen["host1"]
+        # and what mpiexec starts on host1 from host0 (through the launcher script, as
+        # run_mpiexec does) runs on host1's cores, not on those of host0 it came from
+        hopped = rig.run("host0", [rig.launcher_script(), "-x", "host1",
+                                   shlex.join(_AFFINITY)], check=True)
+        assert eval(hopped.stdout) == seen["host1"]
     with HostRig(2) as rig:
-        assert rig.cores is None
+        assert rig.host_cores is None
         assert eval(rig.run("host1", _AFFINITY, check=True).stdout) == mine
+        hopped = rig.run("host0", [rig.launcher_script(), "host1", shlex.join(_AFFINITY)],
+                         check=True)
+        assert eval(hopped.stdout) == mine
     with pytest.raises(RigError, match="a core per host"):
         HostRig(len(mine) + 1, cores="split")
 

@@ -55,6 +55,7 @@ def test_torchrun_across_hosts_trains_like_one_host(rig, backend):
     if backend == "collectives":
         hier = "spans several hosts: backend hier"
         assert not any(hier in o.stderr for o in one_host), one_host[0].stderr[-2000:]
+        # (each host's torchrun output holds its two ranks' lines)
         assert all(o.stderr.count(hier) == 2 for o in two_hosts), two_hosts[0].stderr[-2000:]
 
 

@@ -33,5 +33,5 @@ def test_a_failed_peer_is_named_by_its_rank_in_the_sub_group():
     with pytest.raises(RuntimeError, match="world rank 2 fails"):
         run_threads(fn, 3, timeout=10.0)
     assert seen["peer"] == 1, seen
-    assert seen["message"].startswith("[rank 0/2] wait: rank 1 of the sub-group (the "
-                                      "parent's 2)"), seen["message"]
+    assert seen["message"].startswith("[rank 0/2] recv: in the parent (ranks 1, 2): "
+                                      "rank 1: "), seen["message"]

@@ -112,6 +112,7 @@ def _silent_rank_job():
         pg.close()
         return None
     start = time.monotonic()
+    result = ("no error", "", -1, (), "", 0.0)
     try:
         pg.reduce_scatter(torch.empty(2), torch.ones(4))
     except CollectiveTimeout as exc:
@@ -165,7 +166,13 @@ def test_sigkilled_rank_raises_peer_error_and_survivors_exit_cleanly():
                               env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(3)]
-    outs = [p.communicate(timeout=120) for p in procs]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:   # (a hang: none outlives the test)
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     assert procs[2].returncode == -signal.SIGKILL, outs[2]
     for r in (0, 1):
         assert procs[r].returncode == 0, outs[r][1][-3000:]

@@ -31,8 +31,7 @@ import numpy as np
 
 from collectives import settings
 from collectives.backend import Backend, Capabilities
-from collectives.errors import (CollectiveError, CollectiveTimeout,
-                                GroupAborted, PeerError)
+from collectives.errors import CollectiveError, renumbered
 from collectives.group import ProcessGroup
 from collectives.paths import Path, PathTable
 from collectives.reduce_op import ReduceOp
@@ -154,20 +153,8 @@ class HierBackend(Backend):
         else:
             op, seq = getattr(self._call, "op", "collective"), getattr(self._call, "seq", -1)
         head = f"{self.describe_call(op, seq)}: {part} (ranks {', '.join(map(str, ranks))})"
-        if isinstance(exc, PeerError):   # (``peer``, too, in the part's numbering)
-            peer = ranks[exc.peer] if 0 <= exc.peer < len(ranks) else -1
-            named = f": rank {peer}" if peer >= 0 else ""
-            return PeerError(f"{head}{named}: {exc}", peer=peer)
-        if isinstance(exc, CollectiveTimeout):
-            # (``missing`` is in the part's own numbering on every backend)
-            missing = [ranks[m] for m in exc.missing if 0 <= m < len(ranks)]
-            return CollectiveTimeout(f"{head}: {exc}", op=op, seq=seq, missing=missing)
-        if isinstance(exc, GroupAborted):
-            return GroupAborted(f"{head}: {exc}", op=op, reason=exc.reason)
-        try:
-            return type(exc)(f"{head}: {exc}")
-        except TypeError:
-            return CollectiveError(f"{head}: {exc}")
+        return renumbered(exc, head, lambda i: ranks[i] if 0 <= i < len(ranks) else -1,
+                          op=op, seq=seq)
 
     def scratch(self, role: str, count: int, dtype: np.dtype) -> np.ndarray:
         """A flat buffer of ``count`` elements for ``role`` in one call, kept for the
@@ -216,21 +203,21 @@ class HierBackend(Backend):
 
     def isend(self, array: np.ndarray, dst: int, tag: int) -> Work:
         transport, peer = self._routes[dst]
-        return self._direct("send", transport, lambda: transport.isend(array, peer, tag))
+        return self._point_to_point("send", transport, lambda: transport.isend(array, peer, tag))
 
     def irecv(self, array: np.ndarray, src: int, tag: int) -> Work:
         transport, peer = self._routes[src]
-        return self._direct("recv", transport, lambda: transport.irecv(array, peer, tag))
+        return self._point_to_point("recv", transport, lambda: transport.irecv(array, peer, tag))
 
     def send_now(self, array: np.ndarray, dst: int, tag: int) -> None:
         transport, peer = self._routes[dst]
-        self._direct("send", transport, lambda: transport.send_now(array, peer, tag))
+        self._point_to_point("send", transport, lambda: transport.send_now(array, peer, tag))
 
     def recv_now(self, array: np.ndarray, src: int, tag: int) -> None:
         transport, peer = self._routes[src]
-        self._direct("recv", transport, lambda: transport.recv_now(array, peer, tag))
+        self._point_to_point("recv", transport, lambda: transport.recv_now(array, peer, tag))
 
-    def _direct(self, op: str, transport: Backend, start: Callable[[], Any]) -> Any:
+    def _point_to_point(self, op: str, transport: Backend, start: Callable[[], Any]) -> Any:
         """``start()`` on the route's transport. The network's ranks are this group's;
         shm's are the host's indices, so its errors (raised now, or by the Work) are
         lifted to this group's numbering, as the collectives' are."""

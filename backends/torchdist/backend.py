@@ -469,7 +469,9 @@ class TorchBackend(Backend):
             # the end of the process (its threads and sockets end with it).
             keep_forever(pg)
         elif pg is not None:
-            _shutdown(pg)
+            # A broken group that may be dropped (the collectives backend's) ends its
+            # pending calls first; a clean shutdown would wait for them.
+            (_abort if broken else _shutdown)(pg)
             del pg  # the destructor joins gloo's threads (the GIL is released meanwhile)
         if meeting is not None:
             # After the c10d group (which holds the store too) is gone. A broken world's
@@ -484,6 +486,17 @@ def create_gloo(rendezvous: Rendezvous, timeout: float) -> TorchBackend:
         raise RuntimeError("backend 'gloo': this torch build has no gloo "
                            "(torch.distributed.is_gloo_available() is False)")
     return TorchBackend._connect(rendezvous, timeout)
+
+
+def _abort(pg: Any) -> None:
+    abort = getattr(pg, "abort", None)
+    if abort is None:
+        _shutdown(pg)
+        return
+    try:
+        abort()
+    except Exception:  # noqa: BLE001 - best effort, as _shutdown
+        pass
 
 
 def _shutdown(pg: Any) -> None:

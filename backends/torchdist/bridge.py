@@ -136,7 +136,10 @@ class CollectivesBackend(TorchBackend):
         """The sub-group ``ranks`` of the group underneath (its own ``new_group``, in
         order with its queued collectives), not a new world met through ``store``."""
         parent: ProcessGroupCollectives = self._c10d("new_group")
-        sub = parent.run_on_group_thread(lambda: parent.group.new_group(ranks))
+        try:
+            sub = parent.run_on_group_thread(lambda: parent.group.new_group(ranks))
+        except CollectivesBackendError as exc:
+            raise exc.error from exc   # (ours: construct() passes it on as it is)
         return ProcessGroupCollectives(sub, parent.transport)
 
     def paths(self) -> PathTable:

@@ -108,6 +108,11 @@ class Failures:
         on one that times out closes gloo's connection (see :class:`TorchWork`). Its
         peer's death still ends it at once, as a closed connection (``translate`` names
         the rank); an abort ends it by aborting torch's group (``TorchBackend.abort``).
+
+        Only gloo's are watched so: NCCL's are waited on whole (its ``wait(timeout)``
+        that runs out aborts the communicator), and so are those of the ``collectives``
+        backend, whose group underneath bounds every wait by its own timeout and names a
+        dead peer itself.
         """
         b = self._backend
         if (seq < 0 and peer >= 0) or b.name != "gloo":

@@ -190,8 +190,9 @@ class HostRig:
     ``delay``: seconds of one-way delay added to what each host sends (needs netem);
     ``names``: the hostnames (default ``host0``, ``host1``, ...); ``shm_size``: the tmpfs
     size of each host's ``/dev/shm`` (tmpfs's default, half the memory, when None);
-    ``cores``: ``"shared"`` (every host may use every core of this machine) or
-    ``"split"`` (each host its own share of them; see the module's doc).
+    ``cores``: ``"shared"`` (every host may use every core of this machine: the default,
+    so that a job run on one host of the rig, as a baseline, has them all) or ``"split"``
+    (each host its own share of them, ``host_cores``; see the module's doc).
 
     Two ranks on two hosts::
 
@@ -225,7 +226,7 @@ class HostRig:
             raise RigError(f"HostRig: {reason}")
         self.names: list[str] = names
         #: Each host's cores where ``cores="split"``, else None (all of this machine's).
-        self.cores: Optional[dict[str, list[int]]] = (
+        self.host_cores: Optional[dict[str, list[int]]] = (
             _split_cores(names) if cores == "split" else None)
         self.rate_bits: Optional[int] = None if rate is None else parse_rate(rate)
         self.delay: Optional[float] = delay
@@ -302,10 +303,15 @@ class HostRig:
         """The ``nsenter`` prefix that runs a command on ``host`` in folder ``cwd``
         (default: this process's): ``rig.enter_command("host1") + ["hostname"]``."""
         self._check_host(host, "enter_command")
-        pinned = [] if self.cores is None else [
-            "taskset", "--cpu-list", ",".join(map(str, self.cores[host]))]
         return self._anchors[host].enter("--net", "--uts", "--mount") + [
-            f"--wd={cwd or os.getcwd()}", "--"] + pinned
+            f"--wd={cwd or os.getcwd()}", "--"] + self._pinning(host)
+
+    def _pinning(self, host: str) -> list[str]:
+        """The ``taskset`` prefix that keeps a command on ``host``'s cores (none where
+        the hosts share them)."""
+        if self.host_cores is None:
+            return []
+        return ["taskset", "--cpu-list", ",".join(map(str, self.host_cores[host]))]
 
     def popen(self, host: str, cmd: Command, *, env: Optional[Mapping[str, str]] = None,
               cwd: Optional[str] = None, **kwargs) -> subprocess.Popen:
@@ -344,7 +350,8 @@ class HostRig:
         as ``SCRIPT [-x] HOST COMMAND...`` like ssh, it runs COMMAND on HOST of this rig.
         Returns its path (in the rig's temporary folder unless ``path`` is given)."""
         path = path or os.path.join(self._dir, "enter-host")
-        cases = "".join(f"  {n}|{self._addresses[n]}) pid={a.pid} ;;\n"
+        cases = "".join(f"  {n}|{self._addresses[n]}) pid={a.pid} pin='"
+                        f"{' '.join(self._pinning(n))}' ;;\n"
                         for n, a in self._anchors.items())
         with open(path, "w") as f:
             f.write("#!/bin/sh\n# Like ssh: skip the options, take the host, run the rest "
@@ -352,7 +359,7 @@ class HostRig:
                     'while [ $# -gt 0 ]; do case "$1" in -*) shift ;; *) break ;; esac; done\n'
                     'host=$1; shift\ncase "$host" in\n' + cases +
                     '  *) echo "enter-host: $host is not a host of this rig" >&2; exit 255 ;;\n'
-                    'esac\nexec nsenter -t "$pid" --net --uts --mount --wd="$PWD" -- '
+                    'esac\nexec nsenter -t "$pid" --net --uts --mount --wd="$PWD" -- $pin '
                     'sh -c "$*"\n')
         os.chmod(path, 0o755)
         return path
