@@ -255,12 +255,14 @@ def test_sigkilled_rank_raises_in_survivors(transport):
         assert res["op"] == "allreduce" and res["seq"] >= 3, res
 
 
-@pytest.mark.slow
 def test_sigkilled_rank_stops_torch_ddp_in_survivors():
     """3 ranks training with torch's DDP over shm, rank 2 SIGKILLed after 3 steps: the
     survivors' backward raises within 10 s with a message naming the dead rank, the op and
     the sequence number (DDP's C++ reducer re-raises a failed future as RuntimeError, with
-    our error's text); the next collective on the broken group is a DistBackendError."""
+    our error's text); the next collective on the broken group is a DistBackendError.
+    And the survivors exit 0: their groups' threads stop before Python finalises (one
+    ended by the finalising interpreter inside torch's C++ aborted the process in about
+    two runs of three)."""
     codes, outputs = _three_ranks("kill_ddp", "shm")
     assert codes[2] == -9, outputs[2]
     for r in (0, 1):

@@ -53,7 +53,8 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         self.group = group
         #: The transport's registry name (``"shm"``, ``"zmq"``, ``"mpi"``, ...).
         self.transport = transport
-        self._runner = Runner(f"{transport}-r{group.rank}", self._translate)
+        self._runner = Runner(f"{transport}-r{group.rank}", self._translate,
+                              abort=lambda: group.abort("the process is exiting"))
         self._on_shutdown: list[Callable[[], None]] = []
         self._group_name = ""
         self._group_desc = ""

@@ -15,8 +15,10 @@ thread would deadlock ``batch_isend_irecv``) and complete in :meth:`PointToPoint
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -158,12 +160,32 @@ class PointToPointWork(CollectiveWork):
             pass
 
 
+#: Seconds a runner's thread is given at interpreter exit to finish (after ``abort``).
+EXIT_JOIN_S = 10.0
+
+#: Runners whose thread was started and not yet stopped.
+_RUNNING: "weakref.WeakSet[Runner]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_runners_at_exit() -> None:
+    """Stop every runner's thread before Python finalises. A thread still running then
+    (completing a future: torch's C++ runs its callbacks, DDP's among them) is ended by
+    the interpreter from inside C++ frames, which aborts the process ("terminate called
+    without an active exception"); a job whose group broke (a dead peer) and that exits
+    without ``destroy_process_group`` left such a thread behind."""
+    for runner in list(_RUNNING):
+        runner.stop_at_exit()
+
+
 class Runner:
     """One group's collectives, run one at a time in issue order.
 
     ``submit(op, fn, result, blocking)`` returns a :class:`CollectiveWork` whose future
     gets ``result`` once ``fn()`` returned (or ``fn``'s error, translated). ``fn`` runs on
-    the runner's thread, or inline when ``blocking`` and nothing is queued.
+    the runner's thread, or inline when ``blocking`` and nothing is queued. ``abort``
+    ends the group's calls in flight; at interpreter exit a runner with calls still
+    queued calls it, so that its thread ends at once.
 
     >>> r = Runner("doc", lambda exc, op: exc)
     >>> r.submit("noop", lambda: None, [1], blocking=False).get_future().wait()
@@ -171,9 +193,11 @@ class Runner:
     >>> r.close()
     """
 
-    def __init__(self, name: str, translate: Translate) -> None:
+    def __init__(self, name: str, translate: Translate,
+                 abort: Optional[Callable[[], None]] = None) -> None:
         self._name = name
         self._translate = translate
+        self._abort = abort
         self._queue: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
         self._lock = threading.Lock()   # guards _pending, _thread, _closed
         self._exec = threading.Lock()   # held while an operation runs on our group
@@ -199,6 +223,7 @@ class Runner:
                     self._thread = threading.Thread(target=self._loop, daemon=True,
                                                     name=f"collectives-torch-{self._name}")
                     self._thread.start()
+                    _RUNNING.add(self)
                 self._queue.put((op, fn, result, work))
         if inline:
             try:
@@ -226,14 +251,28 @@ class Runner:
             with self._lock:
                 self._pending -= 1
 
-    def close(self) -> None:
-        """Finish what is queued, then stop the thread. Idempotent."""
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Finish what is queued, then stop the thread (waiting ``timeout`` seconds at
+        most; None: until it stopped). Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             thread = self._thread
+        _RUNNING.discard(self)
         if thread is not None:
             self._queue.put(None)
             if thread is not threading.current_thread():
-                thread.join()
+                thread.join(timeout)
+
+    def stop_at_exit(self) -> None:
+        """At interpreter exit: fail what is still queued or running (``abort``) rather
+        than wait for peers that may never come, and stop the thread."""
+        with self._lock:
+            busy = self._pending > 0 and not self._closed
+        if busy and self._abort is not None:
+            try:
+                self._abort()
+            except Exception:  # noqa: BLE001 - exiting anyway; the join is bounded
+                pass
+        self.close(EXIT_JOIN_S)
