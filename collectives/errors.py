@@ -7,7 +7,7 @@ operation, and (for waits) which peers did not arrive. Argument errors are plain
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, NoReturn, Optional
 
 
 class CollectiveError(RuntimeError):
@@ -85,6 +85,14 @@ def renumbered(exc: CollectiveError, head: str, rank_of: Callable[[int], int], *
         return type(exc)(f"{head}: {exc}")
     except TypeError:
         return CollectiveError(f"{head}: {exc}")
+
+
+def raise_lifted(exc: CollectiveError, lifted: CollectiveError) -> NoReturn:
+    """Raise ``lifted`` (``exc`` as a wrapping group tells it, e.g. :func:`renumbered`)
+    from ``exc``; or ``exc`` itself where the lift left it as it was."""
+    if lifted is exc:
+        raise exc
+    raise lifted from exc
 
 
 def where(rank: int, size: int, op: str) -> str:

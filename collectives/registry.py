@@ -103,7 +103,7 @@ def check_backend_name(name: object, *, where: str = "get_backend",
     if not isinstance(name, str):
         raise TypeError(f"{where}: {what} must be a backend name (a str), got "
                         f"{type(name).__name__} {name!r}")
-    inner = name[len(P2P_ONLY_PREFIX):] if name.startswith(P2P_ONLY_PREFIX) else name
+    inner = name.removeprefix(P2P_ONLY_PREFIX)
     _load_entry_points()
     if inner not in _registered and inner not in _BUILTIN:
         known = ", ".join(sorted(set(_BUILTIN) | set(_registered)))

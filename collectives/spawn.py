@@ -11,7 +11,6 @@ parent raises :class:`SpawnError` naming the rank and carrying its traceback, on
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import multiprocessing
 import multiprocessing.connection
@@ -136,7 +135,7 @@ def name_rank_process(rank: int) -> None:
     it can set. Linux only; elsewhere nothing happens.
     """
     name = f"{RANK_PROCESS_PREFIX}{rank}".encode()[:15]
-    lifetime.prctl(lifetime.PR_SET_NAME, ctypes.c_char_p(name))
+    lifetime.prctl(lifetime.PR_SET_NAME, name)
 
 
 def _rank_main(method: str, fn: Callable[..., Any], args: tuple,

@@ -17,7 +17,8 @@ from typing import NoReturn, Optional
 import numpy as np
 
 from .backend import Backend
-from .errors import CollectiveError, CollectiveTimeout, PeerError, renumbered
+from .errors import (CollectiveError, CollectiveTimeout, PeerError, raise_lifted,
+                     renumbered)
 from .work import Work
 
 #: Tags of a sub-group carry its id above this bit; tags below it are the sub-group's own.
@@ -72,12 +73,8 @@ class SubGroup(Backend):
                           lambda r: self.ranks.index(r) if r in self.ranks else -1)
 
     def reraise(self, exc: CollectiveError, op: str) -> NoReturn:
-        """Raise :meth:`lift` of ``exc`` (from it), or ``exc`` itself where nothing
-        changes."""
-        lifted = self.lift(exc, op)
-        if lifted is exc:
-            raise exc
-        raise lifted from exc
+        """Raise :meth:`lift` of ``exc`` (see :func:`~collectives.errors.raise_lifted`)."""
+        raise_lifted(exc, self.lift(exc, op))
 
     def _check(self) -> None:
         if self.aborted.is_set():

@@ -6,7 +6,7 @@ import abc
 import threading
 from typing import Callable, Optional
 
-from .errors import CollectiveError
+from .errors import CollectiveError, raise_lifted
 
 
 class Work(abc.ABC):
@@ -70,10 +70,7 @@ class LiftedWork(Work):
         try:
             self._work.wait(timeout)
         except CollectiveError as exc:
-            lifted = self._lift(exc)
-            if lifted is exc:
-                raise
-            raise lifted from exc
+            raise_lifted(exc, self._lift(exc))
 
     def is_completed(self) -> bool:
         return self._work.is_completed()

@@ -141,7 +141,7 @@ def _split_all_reduce(b: TwoLevel, a: np.ndarray, op: ReduceOp) -> None:
         whole[:n] = a
         whole[n:] = 0
     shards = b.scratch("shard", s * count, a.dtype)
-    between = _exchange_pieces if len(b.topo.hosts) == 2 else _column_pieces
+    between = _exchange_pieces if b.topo.two_hosts else _column_pieces
     for q, done in between(b, shards, s, count, op,
                            lambda p: b.on_host("reduce_scatter", shards[p * s:(p + 1) * s],
                                                whole[p * span:(p + 1) * span], op)):

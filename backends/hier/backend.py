@@ -321,7 +321,7 @@ class HierBackend(Backend):
                   "hosts' leaders, broadcast in the host")
         even, split = self.topo.even, self.topo.splittable
         across = ("each shard streamed to the other host by its column and folded"
-                  if len(self.topo.hosts) == 2 else "each shard all-reduced across hosts "
+                  if self.topo.two_hosts else "each shard all-reduced across hosts "
                   "by its column")
         split_text = f"reduce-scatter in the host, {across}, all-gather in the host"
         default = "send/recv algorithms over the direct routes (shm in a host, else the network)"

@@ -127,6 +127,12 @@ class Topology:
         one rank: every local index has a column)."""
         return self.even and len(self.local_ranks) > 1
 
+    @property
+    def two_hosts(self) -> bool:
+        """Exactly two hosts: a split all_reduce streams each shard to the other host
+        (with more, each piece is a column all_reduce)."""
+        return len(self.hosts) == 2
+
     def column(self, i: int) -> tuple[int, ...]:
         """The ranks with local index ``i``, one per host that has one, in rank order."""
         return self._columns[i]

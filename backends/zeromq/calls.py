@@ -105,14 +105,10 @@ class GroupState:
         self.done_sig: Optional[tuple] = None          # signature of call done_seq
         self.failed_upto = -1
         self.error: Optional[str] = None
-        #: The rank (of the engine's world) whose report failed the group, or -1.
+        #: The member (its rank in the group) whose report failed the group, or -1.
         self.error_peer = -1
         self.seen: dict[int, wire.Header] = {}         # src -> its message of highest seq
         self.posted_from: dict[int, set] = {}          # src -> posted collective Recvs
-
-    def group_rank(self, world: int) -> int:
-        """The group rank of world rank ``world``; -1 for a rank outside the group."""
-        return self.members.index(world) if world in self.members else -1
 
 
 class RecvWork(Work):

@@ -288,13 +288,14 @@ class Matcher:
     def _reported(self, gs: GroupState, peer: int, text: str, left: bool) -> None:
         """Lock held: member ``peer`` reported that it failed group ``gs`` (see
         :meth:`on_abort`)."""
-        self._fail_group(gs, f"rank {rank_in_group(gs, peer)} reported: {text}",
-                         forward=False, peer=peer if left else -1)
+        r = rank_in_group(gs, peer)
+        self._fail_group(gs, f"rank {r} reported: {text}", forward=False,
+                         peer=r if left else -1)
 
     def _fail_group(self, gs: GroupState, problem: str, forward: bool, peer: int = -1,
                     left: bool = False) -> None:
         """Lock held: the group's calls fail from now on (:func:`group_error`; ``peer``:
-        the member that left the group's call, failing it); with ``forward``, tell the
+        the member that left the group's call, failing it, by its rank in the group); with ``forward``, tell the
         other members (they fail too instead of waiting; ``left``: this rank left it)."""
         if gs.error:
             return
@@ -377,5 +378,5 @@ def group_error(gs: GroupState, message: str) -> CollectiveError:
     group, because of a failure of its own), else ``CollectiveMismatch`` (the group's
     calls disagree, or this rank aborted it)."""
     if gs.error_peer >= 0:
-        return PeerError(message, peer=gs.group_rank(gs.error_peer))
+        return PeerError(message, peer=gs.error_peer)
     return CollectiveMismatch(message)

@@ -106,7 +106,7 @@ def launcher_for(backend: str) -> Launcher:
     :class:`LauncherUnavailable` where ``mpiexec`` or ``mpi4py`` is missing. A backend of
     your own that needs ``mpiexec`` says so with ``launcher="mpiexec"``
     (:func:`resolve_launcher`): the choice never depends on how its name is spelled."""
-    base = backend[len(P2P_ONLY_PREFIX):] if backend.startswith(P2P_ONLY_PREFIX) else backend
+    base = backend.removeprefix(P2P_ONLY_PREFIX)
     return mpiexec() if base == "mpi" else spawn_launcher
 
 

@@ -88,12 +88,12 @@ def transport_of(options: Any, *, where: str = _WHERE) -> str:
     name, source = (options.transport if options is not None else None), "Options.transport"
     if name is None or name == "":
         name, source = (settings.BACKEND.get() or "").strip(), settings.BACKEND.name
-        if not name or _base(name) == BACKEND_NAME:
+        if not name or name.removeprefix(P2P_ONLY_PREFIX) == BACKEND_NAME:
             name = DEFAULT_TRANSPORT
     if not isinstance(name, str):
         raise TypeError(f"{where}: Options.transport must be a string, got "
                         f"{type(name).__name__}")
-    base = _base(name)
+    base = name.removeprefix(P2P_ONLY_PREFIX)
     if base in _TORCH_TRANSPORTS:
         raise ValueError(f"{where}: transport {name!r} (from {source}) is torch.distributed "
                          f"itself; use dist.init_process_group({base!r}) directly")
@@ -101,10 +101,6 @@ def transport_of(options: Any, *, where: str = _WHERE) -> str:
         raise ValueError(f"{where}: Options.transport {name!r} names this backend itself; "
                          f"name the transport underneath it (shm, zmq, mpi, hier, ...)")
     return name
-
-
-def _base(name: str) -> str:
-    return name[len(P2P_ONLY_PREFIX):] if name.startswith(P2P_ONLY_PREFIX) else name
 
 
 def _meet(store: Any, rank: int, size: int) -> Rendezvous:
