@@ -33,7 +33,7 @@ TIMEOUT = 10.0
 
 
 def _cases() -> list:
-    return [_param(backend, how) for backend in ("shm", "zmq", "gloo", "mpi")
+    return [_param(backend, how) for backend in ("shm", "zmq", "gloo", "mpi", "collectives")
             for how in ("asleep", "stopped", "dead")
             if not (backend == "mpi" and how == "dead")]   # Hydra kills every rank then
 

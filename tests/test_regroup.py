@@ -25,7 +25,7 @@ from faults.world import FaultWorld
 from test_faults import _param
 
 TIMEOUT = 10.0
-REGROUP_BACKENDS = ("shm", "zmq", "gloo")
+REGROUP_BACKENDS = ("shm", "zmq", "gloo", "collectives")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
