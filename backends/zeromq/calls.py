@@ -15,9 +15,16 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
+from collectives.errors import PeerError
 from collectives.work import Work
 
 from . import wire
+
+
+#: How a lost peer's errors end: where a collective's member died, and where a receive
+#: waited for a message that will not come.
+OVER_IT = "a collective over it cannot complete"
+BEFORE_SENDING = "before sending the message this rank waits for"
 
 
 class Call:
@@ -55,6 +62,12 @@ class Call:
         if self.gid == 0 or r == world:
             return f"rank {r}"
         return f"rank {r} (world rank {world})"
+
+    def peer_error(self, world: int, what: str) -> PeerError:
+        """``PeerError("<where>: <the peer> <what>")`` naming world rank ``world`` by its
+        rank in this call's group, as every error of a lost peer does."""
+        return PeerError(f"{self.where}: {self.peer(world)} {what}",
+                         peer=self.group_rank(world))
 
 
 class Recv:

@@ -24,7 +24,7 @@ import numpy as np
 import zmq
 
 from collectives import settings
-from collectives.errors import CollectiveError, PeerError
+from collectives.errors import CollectiveError
 
 from . import auth, heap, wire
 from .addresses import IpcDir, bind_ip, tcp_endpoint, use_ipc
@@ -140,8 +140,7 @@ class Connections:
             try:
                 return write_tensor(sock, header, flat)
             except zmq.Again:
-                raise PeerError(f"{call.where}: {call.peer(dst)} is unreachable (its "
-                                f"connection closed)", peer=call.group_rank(dst)) from None
+                raise call.peer_error(dst, "is unreachable (its connection closed)") from None
 
     def send_control(self, peer: int, frames: list) -> None:
         """A control message (ABORT, BYE) to ``peer``; dropped when it cannot be queued

@@ -62,7 +62,6 @@ import numpy as np
 import zmq
 
 from collectives import settings
-from collectives.errors import PeerError
 from collectives.work import Work
 
 from . import torchrun, wire
@@ -163,7 +162,7 @@ class Engine:
         liveness = self._liveness
         why = liveness.down.get(dst)
         if why is not None:
-            raise PeerError(f"{call.where}: cannot send to {call.peer(dst)}: it {why}", peer=call.group_rank(dst))
+            raise call.peer_error(dst, f"{why}; this rank cannot send to it")
         if liveness.dead and call.collective:  # a member died after this collective began
             with self._lock:
                 liveness.raise_if_member_dead(call)

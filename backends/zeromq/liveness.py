@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import time
 
-from collectives.errors import PeerError
-
-from .calls import Call
+from .calls import OVER_IT, Call
 
 #: After a peer's connection closed: how long to keep reading what it had sent before
 #: failing the waits on it.
@@ -53,5 +51,4 @@ class Liveness:
         over it cannot complete)."""
         for m in call.members:
             if m in self.dead:
-                raise PeerError(f"{call.where}: {call.peer(m)} {self.down[m]}; a collective "
-                                f"over it cannot complete", peer=call.group_rank(m))
+                raise call.peer_error(m, f"{self.down[m]}; {OVER_IT}")

@@ -23,7 +23,7 @@ import zmq
 from collectives.errors import CollectiveError, CollectiveMismatch, PeerError
 
 from . import wire
-from .calls import (Call, GroupState, Message, Partial, Recv, ahead_problem, describe_header,
+from .calls import (BEFORE_SENDING, OVER_IT, Call, GroupState, Message, Partial, Recv, ahead_problem, describe_header,
                     rank_in_group, receive_problem, sequence_problem)
 from .connections import Connections
 from .liveness import Liveness
@@ -126,8 +126,7 @@ class Matcher:
         liveness = self._liveness
         why = liveness.down.get(src)
         if why is not None:
-            raise PeerError(f"{call.where}: {call.peer(src)} {why} before sending the "
-                            f"message this rank waits for", peer=call.group_rank(src))
+            raise call.peer_error(src, f"{why} {BEFORE_SENDING}")
         if collective and liveness.dead:  # a member died after this collective began
             liveness.raise_if_member_dead(call)
         self._pending.post(req)
@@ -263,8 +262,7 @@ class Matcher:
             pending.keep(key, part.msg)
 
     def _malformed(self, req: Recv, src: int) -> None:
-        req.error = PeerError(f"{req.call.where}: malformed message from "
-                              f"{req.call.peer(src)}", peer=req.call.group_rank(src))
+        req.error = req.call.peer_error(src, "sent a malformed message")
         self._cond.notify_all()
 
     # ======================================================================= failures
@@ -324,11 +322,9 @@ class Matcher:
             return
         pending = self._pending
         self._fail(pending.drop_partial(lambda k: k[0] == peer),
-                   lambda r: PeerError(f"{r.call.where}: {r.call.peer(peer)} {why} in the "
-                                       f"middle of a message", peer=r.call.group_rank(peer)))
+                   lambda r: r.call.peer_error(peer, f"{why} in the middle of a message"))
         self._fail(self._unindexed(pending.drop_posted(lambda k: k[0] == peer)),
-                   lambda r: PeerError(f"{r.call.where}: {r.call.peer(peer)} {why} before "
-                                       f"sending the message this rank waits for", peer=r.call.group_rank(peer)))
+                   lambda r: r.call.peer_error(peer, f"{why} {BEFORE_SENDING}"))
         if died:
             # A collective over the dead rank cannot complete even where this rank waits
             # for another member (which may wait for the dead one, or give up on it): fail
@@ -336,8 +332,7 @@ class Matcher:
             # a survivor. (A rank that said BYE had finished every call it made.)
             groups = {gid for gid, gs in self._groups.items() if peer in gs.members}
             self._fail(self._drop(lambda k: k[1] in groups, lambda r: r.call.collective),
-                       lambda r: PeerError(f"{r.call.where}: {r.call.peer(peer)} {why}; a "
-                                           f"collective over it cannot complete", peer=r.call.group_rank(peer)))
+                       lambda r: r.call.peer_error(peer, f"{why}; {OVER_IT}"))
         self._cond.notify_all()
 
     def fail_all(self, how: str) -> None:

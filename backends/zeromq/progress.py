@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import zmq
 
-from collectives.errors import CollectiveError, CollectiveTimeout, PeerError
+from collectives.errors import CollectiveError, CollectiveTimeout
 
 from . import wire
 from .calls import Call, Recv
@@ -276,8 +276,7 @@ class Progress:
                 if said_bye and self._released_after_bye(tracker, deadline):
                     return
                 if gone is not None:
-                    raise PeerError(f"{call.where}: {call.peer(dst)} {gone} "
-                                    f"before taking the message", peer=call.group_rank(dst))
+                    raise call.peer_error(dst, f"{gone} before taking the message")
             now = time.monotonic()
             if now >= deadline:
                 wait = timeout if timeout is not None else call.timeout
