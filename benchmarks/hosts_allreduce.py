@@ -19,6 +19,11 @@ second. Per size, after a barrier and warm-up calls, rank 0 times each call sepa
 (the next starts when the previous returned on rank 0) and takes the median; the
 result is checked once on every rank. The cases take turns round by round (``--repeat``),
 so the machine's changing load hits them alike, and the median round is reported.
+``--backend tcp`` adds the floor under hier between two hosts: the first rank of each host
+swaps the whole tensor with the other's over one plain TCP socket (the bytes hier moves
+between two hosts, with nothing of ours around them: no step inside the host, no
+reduction, so no result to check); the hosts' other ranks wait.
+
 busbw = bytes x 2(n-1)/n / time, n the world size (the traffic of a ring on every link;
 nccl-tests' definition). gloo is driven through torch.distributed directly (no wrapper of
 ours in the way); float32 torch tensors throughout.
@@ -41,17 +46,22 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from collectives.bench.cases import bandwidths  # noqa: E402
-from collectives.cli_flags import (add_flag, flag_parser, nonnegative_int,  # noqa: E402
-                                   positive_int)
+from collectives.cli_flags import (add_flag, backend_name, flag_parser,  # noqa: E402
+                                   nonnegative_int, positive_int)
 from collectives.testing.hosts import HostRig, parse_rate, rig_unavailable  # noqa: E402
 from collectives.testing.hosts_launch import run_ranks, summary  # noqa: E402
 
 IMPLS = ("hier", "zmq", "gloo")
+#: Cases that --backend may name beyond the defaults.
+EXTRA = ("tcp",)
 MIB = 1 << 20
+#: The bare-TCP case's port: MASTER_PORT + this.
+TCP_PORT_OFFSET = 100
 
 
 def _iterations(nbytes: int) -> int:
@@ -63,7 +73,9 @@ def rank_main(impl: str, sizes: list[int]) -> None:
     """One rank of one case: time all_reduce at each size; rank 0 prints the JSON line."""
     import torch
     torch.set_num_threads(1)
-    if impl == "gloo":
+    if impl == "tcp":
+        rank, size, all_reduce, barrier, close = _bare_tcp_pair()
+    elif impl == "gloo":
         import torch.distributed as dist
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
         rank, size = dist.get_rank(), dist.get_world_size()
@@ -87,13 +99,82 @@ def rank_main(impl: str, sizes: list[int]) -> None:
             times.append(time.perf_counter() - start)
         t.fill_(rank + 1.0)
         all_reduce(t)
-        if not bool((t == size * (size + 1) / 2).all()):
+        if impl != "tcp" and not bool((t == size * (size + 1) / 2).all()):
             raise RuntimeError(f"[rank {rank}/{size}] {impl} all_reduce of {nbytes} bytes: "
                                f"wrong sum")
         rows[nbytes] = statistics.median(times)
     close()
     if rank == 0:
         print(json.dumps({"impl": impl, "world_size": size, "seconds": rows}), flush=True)
+
+
+def _bare_tcp_pair() -> tuple:
+    """The ``tcp`` case's rank: the first rank of each host holds one socket to the
+    other's; its "all_reduce" sends the tensor (a sender thread) while it receives as much.
+    The other ranks do nothing. Returns (rank, size, all_reduce, barrier, close)."""
+    import queue
+    import socket
+    import threading
+
+    import torch
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    per_host = int(os.environ["LOCAL_WORLD_SIZE"])
+    if size != 2 * per_host:
+        raise SystemExit(f"hosts_allreduce: the tcp case needs 2 hosts, not {size // per_host}")
+    if rank % per_host:
+        def idle(*_: Any) -> None:
+            pass
+        return rank, size, idle, idle, idle
+    port = int(os.environ["MASTER_PORT"]) + TCP_PORT_OFFSET
+    if rank == 0:
+        with socket.create_server(("", port)) as server:
+            server.settimeout(60)
+            sock, _ = server.accept()
+    else:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                sock = socket.create_connection((os.environ["MASTER_ADDR"], port), timeout=5)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+    sock.settimeout(300)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+    sent: "queue.SimpleQueue" = queue.SimpleQueue()
+
+    def sender() -> None:
+        while (data := jobs.get()) is not None:
+            sock.sendall(data)
+            sent.put(True)
+
+    thread = threading.Thread(target=sender, daemon=True)
+    thread.start()
+
+    buffers: dict = {}   # one receive buffer per size, kept (its pages faulted in once)
+
+    def swap(t: Any) -> None:
+        data = memoryview(t.numpy()).cast("B")
+        if len(data) not in buffers:
+            buffers[len(data)] = memoryview(bytearray(len(data)))   # (not reduced into t)
+        incoming = buffers[len(data)]
+        jobs.put(data)
+        got = 0
+        while got < len(data):
+            got += sock.recv_into(incoming[got:])
+        sent.get(timeout=300)
+
+    def barrier() -> None:   # the two first ranks meet
+        swap(torch.zeros(1, dtype=torch.uint8))
+
+    def close() -> None:
+        jobs.put(None)
+        thread.join(10)
+        sock.close()
+
+    return rank, size, swap, barrier, close
 
 
 def _link_counters(rig: HostRig) -> tuple[int, int, int]:
@@ -110,6 +191,18 @@ def _busbw(nbytes: int, seconds: float, n: int) -> float:
     return bandwidths("all_reduce", nbytes, n, seconds)[1]
 
 
+def _cases(text: str) -> list[str]:
+    """``--backend``'s comma list: backends (checked as every command checks them) and the
+    cases only this benchmark has."""
+    names = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    for name in names:
+        if name not in EXTRA:
+            backend_name(name)
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r} names no case")
+    return names
+
+
 def _parser() -> argparse.ArgumentParser:
     p = flag_parser("hosts_allreduce.py", __doc__.split("\n\n")[0])
     p.add_argument("--hosts", type=positive_int, default=2, help="emulated hosts")
@@ -118,9 +211,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cores", choices=("split", "shared"), default="split",
                    help="each host its own share of the cores, or all hosts on all cores")
     add_flag(p, "--sizes", default="1M,4M,16M,64M")
-    add_flag(p, "--backend", default=",".join(IMPLS), several=True,
-             help="what to compare: backends of ours, and gloo driven through "
-                  "torch.distributed directly")
+    p.add_argument("--backend", type=_cases, default=list(IMPLS), metavar="NAME,...",
+                   help="what to compare: backends of ours, gloo driven through "
+                        "torch.distributed directly, and tcp (the bare-TCP floor, 2 hosts)")
     add_flag(p, "--repeat", default=3, help="rounds (the median round is reported)")
     p.add_argument("--ddp-epochs", type=nonnegative_int, default=5,
                    help="examples/ddp.py epochs per run over hier and zmq (0: skip)")

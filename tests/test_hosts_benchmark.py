@@ -1,0 +1,46 @@
+"""``benchmarks/hosts_allreduce.py``: its case list, and one short run on the rig of every
+kind of case it times (a backend of ours and the bare-TCP floor)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from collectives.testing.hosts import rig_unavailable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import hosts_allreduce  # noqa: E402
+
+
+def test_cases_are_backends_and_the_tcp_floor():
+    assert hosts_allreduce._cases("hier, gloo,tcp,hier") == ["hier", "gloo", "tcp"]
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown backend 'udp'"):
+        hosts_allreduce._cases("hier,udp")
+    with pytest.raises(argparse.ArgumentTypeError, match="names no case"):
+        hosts_allreduce._cases(",")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(rig_unavailable() is not None, reason=str(rig_unavailable()))
+def test_a_short_run_times_hier_and_the_tcp_floor(tmp_path):
+    out = tmp_path / "hosts.json"
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "hosts_allreduce.py"),
+                          "--sizes", "256K", "--backend", "hier,tcp", "--repeat", "1",
+                          "--ddp-epochs", "0", "--rate", "1gbit", "--json", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=170)
+    assert run.returncode == 0, run.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    for case in ("hier", "tcp"):
+        [seconds] = doc["allreduce_seconds"][case]
+        # 256 KiB at 1 Gbit/s needs at least 2.1 ms of link; a loaded machine, far more.
+        assert 0.002 < seconds[str(256 << 10)] < 5.0, (case, seconds)
+        payload, charged = doc["link_payload_charged"][case]
+        assert 0.9 < payload / charged < 1.0, (case, payload, charged)
+    assert "hier/tcp" in run.stdout, run.stdout
