@@ -7,6 +7,7 @@ hier and over flat zmq on the same rig. Needs root.
     python benchmarks/hosts_allreduce.py --sizes 1M,4M,16M,64M --repeat 3 --json hosts.json
     python benchmarks/hosts_allreduce.py --rate 10gbit --ddp-epochs 0   # all_reduce only
     python benchmarks/hosts_allreduce.py --cores shared         # hosts share every core
+    python benchmarks/hosts_allreduce.py --backend hier,gloo --floor --ddp-epochs 0
 
 ``--cores split`` (the default) gives each host its own share of this machine's cores, as
 separate machines have; ``shared`` lets every host's ranks run on every core, so the hosts
@@ -19,10 +20,11 @@ second. Per size, after a barrier and warm-up calls, rank 0 times each call sepa
 (the next starts when the previous returned on rank 0) and takes the median; the
 result is checked once on every rank. The cases take turns round by round (``--repeat``),
 so the machine's changing load hits them alike, and the median round is reported.
-``--backend tcp`` adds the floor under hier between two hosts: the first rank of each host
-swaps the whole tensor with the other's over one plain TCP socket (the bytes hier moves
-between two hosts, with nothing of ours around them: no step inside the host, no
-reduction, so no result to check); the hosts' other ranks wait.
+
+``--floor`` adds the floor under hier between two hosts, the case ``tcp``: the first rank
+of each host swaps the whole tensor with the other's over one plain TCP socket (the bytes
+hier moves between two hosts, with nothing of ours around them: no step inside the host,
+no reduction, so no result to check); the hosts' other ranks wait.
 
 busbw = bytes x 2(n-1)/n / time, n the world size (the traffic of a ring on every link;
 nccl-tests' definition). gloo is driven through torch.distributed directly (no wrapper of
@@ -51,14 +53,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from collectives.bench.cases import bandwidths  # noqa: E402
-from collectives.cli_flags import (add_flag, backend_name, flag_parser,  # noqa: E402
-                                   nonnegative_int, positive_int)
+from collectives.cli_flags import (add_flag, flag_parser, nonnegative_int,  # noqa: E402
+                                   positive_int)
 from collectives.testing.hosts import HostRig, parse_rate, rig_unavailable  # noqa: E402
 from collectives.testing.hosts_launch import run_ranks, summary  # noqa: E402
 
 IMPLS = ("hier", "zmq", "gloo")
-#: Cases that --backend may name beyond the defaults.
-EXTRA = ("tcp",)
 MIB = 1 << 20
 #: The bare-TCP case's port: MASTER_PORT + this.
 TCP_PORT_OFFSET = 100
@@ -191,18 +191,6 @@ def _busbw(nbytes: int, seconds: float, n: int) -> float:
     return bandwidths("all_reduce", nbytes, n, seconds)[1]
 
 
-def _cases(text: str) -> list[str]:
-    """``--backend``'s comma list: backends (checked as every command checks them) and the
-    cases only this benchmark has."""
-    names = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
-    for name in names:
-        if name not in EXTRA:
-            backend_name(name)
-    if not names:
-        raise argparse.ArgumentTypeError(f"{text!r} names no case")
-    return names
-
-
 def _parser() -> argparse.ArgumentParser:
     p = flag_parser("hosts_allreduce.py", __doc__.split("\n\n")[0])
     p.add_argument("--hosts", type=positive_int, default=2, help="emulated hosts")
@@ -211,9 +199,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cores", choices=("split", "shared"), default="split",
                    help="each host its own share of the cores, or all hosts on all cores")
     add_flag(p, "--sizes", default="1M,4M,16M,64M")
-    p.add_argument("--backend", type=_cases, default=list(IMPLS), metavar="NAME,...",
-                   help="what to compare: backends of ours, gloo driven through "
-                        "torch.distributed directly, and tcp (the bare-TCP floor, 2 hosts)")
+    add_flag(p, "--backend", default=",".join(IMPLS), several=True,
+             help="what to compare: backends of ours, and gloo driven through "
+                  "torch.distributed directly")
+    p.add_argument("--floor", action="store_true",
+                   help="also time the bare-TCP floor between two hosts (the 'tcp' case)")
     add_flag(p, "--repeat", default=3, help="rounds (the median round is reported)")
     p.add_argument("--ddp-epochs", type=nonnegative_int, default=5,
                    help="examples/ddp.py epochs per run over hier and zmq (0: skip)")
@@ -226,11 +216,14 @@ def main(args: argparse.Namespace) -> int:
     if args.rank_job:
         rank_main(args.rank_job[0], [int(s) for s in args.rank_job[1].split(",")])
         return 0
+    if args.floor and args.hosts != 2:
+        print(f"hosts_allreduce: --floor needs --hosts 2, not {args.hosts}", file=sys.stderr)
+        return 2
     reason = rig_unavailable()
     if reason is not None:
         print(f"hosts_allreduce: {reason}", file=sys.stderr)
         return 2
-    sizes, impls = args.sizes, args.backend
+    sizes, impls = args.sizes, args.backend + (["tcp"] if args.floor else [])
     n = args.hosts * args.per_host
     secret = {"COLLECTIVES_SECRET": os.urandom(32).hex()}
     runs: dict = {i: [] for i in impls}

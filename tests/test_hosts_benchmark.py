@@ -1,9 +1,8 @@
-"""``benchmarks/hosts_allreduce.py``: its case list, and one short run on the rig of every
-kind of case it times (a backend of ours and the bare-TCP floor)."""
+"""``benchmarks/hosts_allreduce.py``: one short run on the rig of each kind of case it
+times (a backend of ours, and the bare-TCP floor of ``--floor``)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -14,17 +13,12 @@ import pytest
 from collectives.testing.hosts import rig_unavailable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-
-import hosts_allreduce  # noqa: E402
 
 
-def test_cases_are_backends_and_the_tcp_floor():
-    assert hosts_allreduce._cases("hier, gloo,tcp,hier") == ["hier", "gloo", "tcp"]
-    with pytest.raises(argparse.ArgumentTypeError, match="unknown backend 'udp'"):
-        hosts_allreduce._cases("hier,udp")
-    with pytest.raises(argparse.ArgumentTypeError, match="names no case"):
-        hosts_allreduce._cases(",")
+def test_the_floor_needs_two_hosts():
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "hosts_allreduce.py"),
+                          "--floor", "--hosts", "3"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "--floor needs --hosts 2, not 3" in run.stderr, run.stderr
 
 
 @pytest.mark.timeout(180)
@@ -32,7 +26,7 @@ def test_cases_are_backends_and_the_tcp_floor():
 def test_a_short_run_times_hier_and_the_tcp_floor(tmp_path):
     out = tmp_path / "hosts.json"
     run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "hosts_allreduce.py"),
-                          "--sizes", "256K", "--backend", "hier,tcp", "--repeat", "1",
+                          "--sizes", "256K", "--backend", "hier", "--floor", "--repeat", "1",
                           "--ddp-epochs", "0", "--rate", "1gbit", "--json", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=170)
     assert run.returncode == 0, run.stderr[-3000:]
