@@ -24,7 +24,7 @@ so the machine's changing load hits them alike, and the median round is reported
 ``--floor`` adds the floor under hier between two hosts, the case ``tcp``: the first rank
 of each host swaps the whole tensor with the other's over one plain TCP socket (the bytes
 hier moves between two hosts, with nothing of ours around them: no step inside the host,
-no reduction, so no result to check); the hosts' other ranks wait.
+no reduction, so no result to check); the hosts' other ranks do nothing.
 
 busbw = bytes x 2(n-1)/n / time, n the world size (the traffic of a ring on every link;
 nccl-tests' definition). gloo is driven through torch.distributed directly (no wrapper of
@@ -147,8 +147,11 @@ def _bare_tcp_pair() -> tuple:
 
     def sender() -> None:
         while (data := jobs.get()) is not None:
-            sock.sendall(data)
-            sent.put(True)
+            try:
+                sock.sendall(data)
+                sent.put(None)
+            except OSError as exc:   # (the receiving side raises it)
+                sent.put(exc)
 
     thread = threading.Thread(target=sender, daemon=True)
     thread.start()
@@ -163,8 +166,15 @@ def _bare_tcp_pair() -> tuple:
         jobs.put(data)
         got = 0
         while got < len(data):
-            got += sock.recv_into(incoming[got:])
-        sent.get(timeout=300)
+            n = sock.recv_into(incoming[got:])
+            if not n:
+                raise ConnectionError(f"[rank {rank}] tcp case: the other host's first rank "
+                                      f"closed the connection after {got} of {len(data)} "
+                                      f"bytes")
+            got += n
+        failed = sent.get(timeout=300)
+        if failed is not None:
+            raise failed
 
     def barrier() -> None:   # the two first ranks meet
         swap(torch.zeros(1, dtype=torch.uint8))

@@ -33,8 +33,9 @@ def test_a_short_run_times_hier_and_the_tcp_floor(tmp_path):
     doc = json.loads(out.read_text())
     for case in ("hier", "tcp"):
         [seconds] = doc["allreduce_seconds"][case]
-        # 256 KiB at 1 Gbit/s needs at least 2.1 ms of link; a loaded machine, far more.
-        assert 0.002 < seconds[str(256 << 10)] < 5.0, (case, seconds)
+        # 256 KiB at 1 Gbit/s needs 2.1 ms of link, less what the tbf's burst lets
+        # through after a pause (up to half of it); a loaded machine, far more.
+        assert 0.001 < seconds[str(256 << 10)] < 5.0, (case, seconds)
         payload, charged = doc["link_payload_charged"][case]
         assert 0.9 < payload / charged < 1.0, (case, payload, charged)
     assert "hier/tcp" in run.stdout, run.stdout

@@ -289,6 +289,34 @@ def test_a_backlog_from_a_closing_peer_is_read_before_it_counts_as_lost():
                              timeout=60) == [0, 20_000]
 
 
+def _job_talk_to_a_closed_peer():
+    """Rank 1 closes after a barrier; rank 0 then receives from it and sends to it."""
+    pg = collectives.init_process_group()
+    pg.barrier()
+    out = {}
+    if pg.rank == 0:
+        for what, call in (("recv", lambda: pg.recv(np.empty(2, np.int32), 1, tag=3)),
+                           ("send", lambda: pg.send(np.zeros(2, np.int32), 1, tag=3))):
+            try:
+                call()
+                out[what] = None
+            except collectives.PeerError as exc:
+                out[what] = (str(exc), exc.peer)
+    pg.close()
+    return out
+
+
+def test_a_closed_peer_is_named_first_in_every_error():
+    zero, _ = collectives.spawn(_job_talk_to_a_closed_peer, 2, backend="zmq", timeout=60)
+    message, peer = zero["recv"]
+    assert peer == 1 and message.startswith("[rank 0/2] recv") and message.endswith(
+        ": rank 1 closed its process group before sending the message this rank waits for"), \
+        message
+    message, peer = zero["send"]
+    assert peer == 1 and message.startswith("[rank 0/2] send") and message.endswith(
+        ": rank 1 closed its process group; this rank cannot send to it"), message
+
+
 def test_rendezvous_connection_retries_within_milliseconds():
     """A rank connecting to the rendezvous before rank 0 listens retries after a few ms,
     backing off to 50 ms (libzmq's fixed 100 ms made 1 world creation in 3 take ~150 ms

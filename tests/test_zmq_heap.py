@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import resource
-import statistics
 import subprocess
 import sys
 
@@ -35,12 +34,9 @@ def _job_faults_per_large_all_reduce():
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         pg.all_reduce(a)
         per_call.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    # The median: one call that meets a heap trim or a busy neighbour (a full suite's
-    # load gave a mean of 206 once) says nothing about the buffers being reused.
-    faults = statistics.median(per_call)
     malloc = pg.transport.malloc
     pg.close()
-    return malloc, faults
+    return malloc, per_call
 
 
 CHOSEN_HERE = heap._user_chose(os.environ) or "COLLECTIVES_ZMQ_MALLOC" in os.environ
@@ -51,11 +47,14 @@ CHOSEN_HERE = heap._user_chose(os.environ) or "COLLECTIVES_ZMQ_MALLOC" in os.env
 def test_large_messages_reuse_received_buffers_instead_of_faulting_pages_in():
     # Each call receives 16 MiB per rank (8 MiB of reduce-scatter, 8 of all-gather):
     # 4096 pages. With glibc's own thresholds 270 to 1800 of them faulted in per call
-    # here; kept, 0 to 70 (the median call of ten).
-    for malloc, faults in collectives.spawn(_job_faults_per_large_all_reduce, 2,
-                                            backend="zmq", timeout=120):
+    # here (the mean of ten; the median of ten on the rank that faults: about 1000);
+    # kept, a mean of 0 to 70. Judged by the eighth of ten calls in order of faults: one
+    # or two calls that meet a heap trim or a busy neighbour (under a full suite's
+    # load the mean of ten once reached 206) say nothing about the buffers being reused.
+    for malloc, per_call in collectives.spawn(_job_faults_per_large_all_reduce, 2,
+                                              backend="zmq", timeout=120):
         assert malloc == "kept"
-        assert faults < 160, f"{faults:.0f} page faults per 16 MiB all_reduce"
+        assert sorted(per_call)[7] < 160, f"page faults per 16 MiB all_reduce: {per_call}"
 
 
 def _job_malloc_mode():

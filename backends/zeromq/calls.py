@@ -21,9 +21,9 @@ from collectives.work import Work
 from . import wire
 
 
-#: How a lost peer's errors end: where a collective's member died, and where a receive
-#: waited for a message that will not come.
-OVER_IT = "a collective over it cannot complete"
+#: How a lost peer's errors end: where a collective's member died (it cannot complete),
+#: and where a receive waited for a message that will not come.
+CANNOT_COMPLETE = "a collective over it cannot complete"
 BEFORE_SENDING = "before sending the message this rank waits for"
 
 
@@ -64,8 +64,9 @@ class Call:
         return f"rank {r} (world rank {world})"
 
     def peer_error(self, world: int, what: str) -> PeerError:
-        """``PeerError("<where>: <the peer> <what>")`` naming world rank ``world`` by its
-        rank in this call's group, as every error of a lost peer does."""
+        """``PeerError("<where>: <the peer> <what>")`` for a failure of world rank
+        ``world`` (gone, or sending garbage), naming it by its rank in this call's group,
+        in the message and on the error."""
         return PeerError(f"{self.where}: {self.peer(world)} {what}",
                          peer=self.group_rank(world))
 

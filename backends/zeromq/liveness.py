@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from .calls import OVER_IT, Call
+from .calls import CANNOT_COMPLETE, Call
 
 #: After a peer's connection closed: how long to keep reading what it had sent before
 #: failing the waits on it.
@@ -51,4 +51,4 @@ class Liveness:
         over it cannot complete)."""
         for m in call.members:
             if m in self.dead:
-                raise call.peer_error(m, f"{self.down[m]}; {OVER_IT}")
+                raise call.peer_error(m, f"{self.down[m]}; {CANNOT_COMPLETE}")

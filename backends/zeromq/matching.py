@@ -23,8 +23,9 @@ import zmq
 from collectives.errors import CollectiveError, CollectiveMismatch, PeerError
 
 from . import wire
-from .calls import (BEFORE_SENDING, OVER_IT, Call, GroupState, Message, Partial, Recv, ahead_problem, describe_header,
-                    rank_in_group, receive_problem, sequence_problem)
+from .calls import (BEFORE_SENDING, CANNOT_COMPLETE, Call, GroupState, Message, Partial,
+                    Recv, ahead_problem, describe_header, rank_in_group, receive_problem,
+                    sequence_problem)
 from .connections import Connections
 from .liveness import Liveness
 from .pending import Pending
@@ -332,7 +333,7 @@ class Matcher:
             # a survivor. (A rank that said BYE had finished every call it made.)
             groups = {gid for gid, gs in self._groups.items() if peer in gs.members}
             self._fail(self._drop(lambda k: k[1] in groups, lambda r: r.call.collective),
-                       lambda r: r.call.peer_error(peer, f"{why}; {OVER_IT}"))
+                       lambda r: r.call.peer_error(peer, f"{why}; {CANNOT_COMPLETE}"))
         self._cond.notify_all()
 
     def fail_all(self, how: str) -> None:
