@@ -21,10 +21,12 @@ second. Per size, after a barrier and warm-up calls, rank 0 times each call sepa
 result is checked once on every rank. The cases take turns round by round (``--repeat``),
 so the machine's changing load hits them alike, and the median round is reported.
 
-``--floor`` adds the floor under hier between two hosts, the case ``tcp``: the first rank
-of each host swaps the whole tensor with the other's over one plain TCP socket (the bytes
-hier moves between two hosts, with nothing of ours around them: no step inside the host,
-no reduction, so no result to check); the hosts' other ranks do nothing.
+``--floor`` adds two floors under hier between two hosts: the bytes hier moves, with
+nothing of ours around them (no step inside the host, no reduction, so no result to
+check). ``tcp``: the first rank of each host swaps the whole tensor with the other's over
+one plain TCP socket; the hosts' other ranks do nothing. ``tcp-columns``: as hier's
+columns do, every rank swaps its share with the rank of its local index on the other host
+over a socket of its own, and the host's ranks meet after each call.
 
 busbw = bytes x 2(n-1)/n / time, n the world size (the traffic of a ring on every link;
 nccl-tests' definition). gloo is driven through torch.distributed directly (no wrapper of
@@ -48,7 +50,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -60,7 +62,10 @@ from collectives.testing.hosts_launch import run_ranks, summary  # noqa: E402
 
 IMPLS = ("hier", "zmq", "gloo")
 MIB = 1 << 20
-#: The bare-TCP case's port: MASTER_PORT + this.
+#: The cases of --floor (see the module docstring).
+FLOORS = ("tcp", "tcp-columns")
+#: The floor's ports: MASTER_PORT + this + the local index between hosts, MASTER_PORT +
+#: this + ranks per host for the host's meeting point.
 TCP_PORT_OFFSET = 100
 
 
@@ -73,8 +78,8 @@ def rank_main(impl: str, sizes: list[int]) -> None:
     """One rank of one case: time all_reduce at each size; rank 0 prints the JSON line."""
     import torch
     torch.set_num_threads(1)
-    if impl == "tcp":
-        rank, size, all_reduce, barrier, close = _bare_tcp_pair()
+    if impl in FLOORS:
+        rank, size, all_reduce, barrier, close = _bare_tcp(columns=impl == "tcp-columns")
     elif impl == "gloo":
         import torch.distributed as dist
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
@@ -99,7 +104,7 @@ def rank_main(impl: str, sizes: list[int]) -> None:
             times.append(time.perf_counter() - start)
         t.fill_(rank + 1.0)
         all_reduce(t)
-        if impl != "tcp" and not bool((t == size * (size + 1) / 2).all()):
+        if impl not in FLOORS and not bool((t == size * (size + 1) / 2).all()):
             raise RuntimeError(f"[rank {rank}/{size}] {impl} all_reduce of {nbytes} bytes: "
                                f"wrong sum")
         rows[nbytes] = statistics.median(times)
@@ -108,25 +113,11 @@ def rank_main(impl: str, sizes: list[int]) -> None:
         print(json.dumps({"impl": impl, "world_size": size, "seconds": rows}), flush=True)
 
 
-def _bare_tcp_pair() -> tuple:
-    """The ``tcp`` case's rank: the first rank of each host holds one socket to the
-    other's; its "all_reduce" sends the tensor (a sender thread) while it receives as much.
-    The other ranks do nothing. Returns (rank, size, all_reduce, barrier, close)."""
-    import queue
+def _connect(port: int, host: Optional[str]) -> Any:
+    """One TCP connection on ``port``: accepted (``host`` None) or made to ``host``
+    (retried for a minute while the other side starts)."""
     import socket
-    import threading
-
-    import torch
-    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    per_host = int(os.environ["LOCAL_WORLD_SIZE"])
-    if size != 2 * per_host:
-        raise SystemExit(f"hosts_allreduce: the tcp case needs 2 hosts, not {size // per_host}")
-    if rank % per_host:
-        def idle(*_: Any) -> None:
-            pass
-        return rank, size, idle, idle, idle
-    port = int(os.environ["MASTER_PORT"]) + TCP_PORT_OFFSET
-    if rank == 0:
+    if host is None:
         with socket.create_server(("", port)) as server:
             server.settimeout(60)
             sock, _ = server.accept()
@@ -134,7 +125,7 @@ def _bare_tcp_pair() -> tuple:
         deadline = time.monotonic() + 60
         while True:
             try:
-                sock = socket.create_connection((os.environ["MASTER_ADDR"], port), timeout=5)
+                sock = socket.create_connection((host, port), timeout=5)
                 break
             except OSError:
                 if time.monotonic() > deadline:
@@ -142,6 +133,40 @@ def _bare_tcp_pair() -> tuple:
                 time.sleep(0.05)
     sock.settimeout(300)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def _bare_tcp(columns: bool) -> tuple:
+    """A rank of the floor's cases (:data:`FLOORS`). ``tcp``: the first rank of each host
+    holds one socket to the other's and its "all_reduce" sends the whole tensor (a sender
+    thread) while it receives as much; the other ranks do nothing. ``tcp-columns``: every
+    rank swaps its share (1/ranks per host of the tensor) with the rank of its local index
+    on the other host over its own socket, then the host's ranks meet (over loopback), as
+    hier's columns stream and keep in step. Returns (rank, size, all_reduce, barrier,
+    close)."""
+    import queue
+    import threading
+
+    import torch
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    per_host = int(os.environ["LOCAL_WORLD_SIZE"])
+    if size != 2 * per_host:
+        raise SystemExit(f"hosts_allreduce: the floor needs 2 hosts, not {size // per_host}")
+    local, first_host = rank % per_host, rank < per_host
+    flows = per_host if columns else 1
+    if local >= flows:
+        def idle(*_: Any) -> None:
+            pass
+        return rank, size, idle, idle, idle
+    port = int(os.environ["MASTER_PORT"]) + TCP_PORT_OFFSET
+    sock = _connect(port + local, None if first_host else os.environ["MASTER_ADDR"])
+    # The host's meeting point: its first rank, on loopback (one socket per other rank).
+    host_peers = []
+    if flows > 1:
+        if local == 0:
+            host_peers = [_connect(port + per_host, None) for _ in range(1, per_host)]
+        else:
+            host_peers = [_connect(port + per_host, "127.0.0.1")]
     jobs: "queue.SimpleQueue" = queue.SimpleQueue()
     sent: "queue.SimpleQueue" = queue.SimpleQueue()
 
@@ -158,31 +183,42 @@ def _bare_tcp_pair() -> tuple:
 
     buffers: dict = {}   # one receive buffer per size, kept (its pages faulted in once)
 
+    def receive(peer: Any, into: memoryview, what: str) -> None:
+        got = 0
+        while got < len(into):
+            n = peer.recv_into(into[got:])
+            if not n:
+                raise ConnectionError(f"[rank {rank}] floor: {what} closed the connection "
+                                      f"after {got} of {len(into)} bytes")
+            got += n
+
     def swap(t: Any) -> None:
-        data = memoryview(t.numpy()).cast("B")
+        whole = memoryview(t.numpy()).cast("B")
+        data = whole[local * len(whole) // flows:(local + 1) * len(whole) // flows]
         if len(data) not in buffers:
             buffers[len(data)] = memoryview(bytearray(len(data)))   # (not reduced into t)
-        incoming = buffers[len(data)]
         jobs.put(data)
-        got = 0
-        while got < len(data):
-            n = sock.recv_into(incoming[got:])
-            if not n:
-                raise ConnectionError(f"[rank {rank}] tcp case: the other host's first rank "
-                                      f"closed the connection after {got} of {len(data)} "
-                                      f"bytes")
-            got += n
+        receive(sock, buffers[len(data)], "the other host's rank")
         failed = sent.get(timeout=300)
         if failed is not None:
             raise failed
+        token = memoryview(bytearray(1))
+        for peer in host_peers:       # the host's ranks meet: all in, then all out
+            if local:
+                peer.sendall(b"i")
+            receive(peer, token, "a rank of this host")
+        if local == 0:
+            for peer in host_peers:
+                peer.sendall(b"o")
 
-    def barrier() -> None:   # the two first ranks meet
-        swap(torch.zeros(1, dtype=torch.uint8))
+    def barrier() -> None:
+        swap(torch.zeros(flows, dtype=torch.uint8))
 
     def close() -> None:
         jobs.put(None)
         thread.join(10)
-        sock.close()
+        for peer in [sock, *host_peers]:
+            peer.close()
 
     return rank, size, swap, barrier, close
 
@@ -213,7 +249,8 @@ def _parser() -> argparse.ArgumentParser:
              help="what to compare: backends of ours, and gloo driven through "
                   "torch.distributed directly")
     p.add_argument("--floor", action="store_true",
-                   help="also time the bare-TCP floor between two hosts (the 'tcp' case)")
+                   help="also time the bare-TCP floors between two hosts (the cases tcp "
+                        "and tcp-columns)")
     add_flag(p, "--repeat", default=3, help="rounds (the median round is reported)")
     p.add_argument("--ddp-epochs", type=nonnegative_int, default=5,
                    help="examples/ddp.py epochs per run over hier and zmq (0: skip)")
@@ -233,7 +270,7 @@ def main(args: argparse.Namespace) -> int:
     if reason is not None:
         print(f"hosts_allreduce: {reason}", file=sys.stderr)
         return 2
-    sizes, impls = args.sizes, args.backend + (["tcp"] if args.floor else [])
+    sizes, impls = args.sizes, args.backend + (list(FLOORS) if args.floor else [])
     n = args.hosts * args.per_host
     secret = {"COLLECTIVES_SECRET": os.urandom(32).hex()}
     runs: dict = {i: [] for i in impls}

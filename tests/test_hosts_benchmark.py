@@ -1,5 +1,5 @@
 """``benchmarks/hosts_allreduce.py``: one short run on the rig of each kind of case it
-times (a backend of ours, and the bare-TCP floor of ``--floor``)."""
+times (a backend of ours, and the bare-TCP floors of ``--floor``)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_the_floor_needs_two_hosts():
 
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(rig_unavailable() is not None, reason=str(rig_unavailable()))
-def test_a_short_run_times_hier_and_the_tcp_floor(tmp_path):
+def test_a_short_run_times_hier_and_the_tcp_floors(tmp_path):
     out = tmp_path / "hosts.json"
     run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "hosts_allreduce.py"),
                           "--sizes", "256K", "--backend", "hier", "--floor", "--repeat", "1",
@@ -31,7 +31,7 @@ def test_a_short_run_times_hier_and_the_tcp_floor(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=170)
     assert run.returncode == 0, run.stderr[-3000:]
     doc = json.loads(out.read_text())
-    for case in ("hier", "tcp"):
+    for case in ("hier", "tcp", "tcp-columns"):
         [seconds] = doc["allreduce_seconds"][case]
         # 256 KiB at 1 Gbit/s needs 2.1 ms of link, less what the tbf's burst lets
         # through after a pause (up to half of it); a loaded machine, far more.
