@@ -233,6 +233,10 @@ def _link_counters(rig: HostRig) -> tuple[int, int, int]:
     return charged, sent, packets
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes // MIB} MiB" if nbytes % MIB == 0 else f"{nbytes >> 10} KiB"
+
+
 def _busbw(nbytes: int, seconds: float, n: int) -> float:
     return bandwidths("all_reduce", nbytes, n, seconds)[1]
 
@@ -295,7 +299,7 @@ def main(args: argparse.Namespace) -> int:
                 link[impl][1] += charged
                 runs[impl].append({int(k): v for k, v in summary(out)["seconds"].items()})
                 print(f"# round {rnd + 1}/{args.repeat} {impl}: " + ", ".join(
-                    f"{s // MIB} MiB {_busbw(s, runs[impl][-1][s], n):.3f} GB/s"
+                    f"{_size(s)} {_busbw(s, runs[impl][-1][s], n):.3f} GB/s"
                     for s in sizes), flush=True)
             for impl in ddp:
                 out = run_ranks(rig, [sys.executable, "examples/ddp.py", "--backend", impl,
@@ -306,14 +310,17 @@ def main(args: argparse.Namespace) -> int:
                       f"{ddp[impl][-1]['wall_s']}, final_acc {ddp[impl][-1]['final_acc']}",
                       flush=True)
     med = {i: {s: statistics.median(r[s] for r in runs[i]) for s in sizes} for i in impls}
-    head = f"{'size':>8}" + "".join(f"{i + ' GB/s':>12}" for i in impls)
     ratios = [(a, b) for a in impls for b in impls if a == "hier" and b != a]
-    head += "".join(f"{a + '/' + b:>12}" for a, b in ratios)
-    print(f"\nall_reduce busbw, median of {args.repeat} rounds:\n{head}")
+    # (three decimals on the ratios: 1.497 and 1.5 differ where a target is 1.5x)
+    columns = [(f"{i} GB/s", lambda bw, i=i: f"{bw[i]:.3f}") for i in impls] + [
+        (f"{a}/{b}", lambda bw, a=a, b=b: f"{bw[a] / bw[b]:.3f}x") for a, b in ratios]
+    widths = [max(12, len(label) + 2) for label, _ in columns]
+    print(f"\nall_reduce busbw, median of {args.repeat} rounds:\n{'size':>8}"
+          + "".join(f"{label:>{w}}" for (label, _), w in zip(columns, widths)))
     for s in sizes:
         bw = {i: _busbw(s, med[i][s], n) for i in impls}
-        print(f"{s // MIB:>5} MiB" + "".join(f"{bw[i]:>12.3f}" for i in impls)
-              + "".join(f"{bw[a] / bw[b]:>11.2f}x" for a, b in ratios))
+        print(f"{_size(s):>8}"
+              + "".join(f"{cell(bw):>{w}}" for (_, cell), w in zip(columns, widths)))
     print("payload share of the link's bytes: "
           + ", ".join(f"{i} {link[i][0] / max(1, link[i][1]):.1%}" for i in impls))
     if ddp:
