@@ -182,6 +182,7 @@ def _bare_tcp(columns: bool) -> tuple:
     thread.start()
 
     buffers: dict = {}   # one receive buffer per size, kept (its pages faulted in once)
+    token = memoryview(bytearray(1))   # what the host's ranks meet with
 
     def receive(peer: Any, into: memoryview, what: str) -> None:
         got = 0
@@ -202,7 +203,6 @@ def _bare_tcp(columns: bool) -> tuple:
         failed = sent.get(timeout=300)
         if failed is not None:
             raise failed
-        token = memoryview(bytearray(1))
         for peer in host_peers:       # the host's ranks meet: all in, then all out
             if local:
                 peer.sendall(b"i")
